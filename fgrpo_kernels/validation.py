@@ -1,0 +1,166 @@
+"""Argument checks shared by the reference and the fused modules (SPEC §6).
+
+Every failure is a ValueError or TypeError whose message starts with the argument's name and
+states the expected value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def choice(arg: str, value, choices: Iterable[str]) -> str:
+    choices = tuple(choices)
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{arg}: expected one of {', '.join(map(repr, choices))}; got {value!r}")
+    return value
+
+
+def positive(arg: str, value, *, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{arg}: expected a real number; got {type(value).__name__}")
+    if not (value > 0 or (allow_zero and value == 0)) or value != value or value == float("inf"):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{arg}: expected a finite number {bound}; got {value!r}")
+    return float(value)
+
+
+def real(arg: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{arg}: expected a real number; got {type(value).__name__}")
+    if value != value or abs(value) == float("inf"):
+        raise ValueError(f"{arg}: expected a finite number; got {value!r}")
+    return float(value)
+
+
+def tensor(
+    arg: str,
+    t,
+    *,
+    shape: Sequence[int | None] | None = None,
+    ndim: int | None = None,
+    floating: bool = False,
+    dtypes: Sequence[torch.dtype] | None = None,
+) -> torch.Tensor:
+    """Check a tensor's type, rank, shape (None = any size on that axis) and dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg}: expected a torch.Tensor; got {type(t).__name__}")
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+        if not ok:
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{arg}: expected shape {want}; got {list(t.shape)}")
+    elif ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{arg}: expected a {ndim}-D tensor; got shape {list(t.shape)}")
+    if floating and t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{arg}: expected a floating-point tensor; got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{arg}: expected dtype in {[str(d) for d in dtypes]}; got {t.dtype}")
+    return t
+
+
+def mask(arg: str, m, shape: Sequence[int]) -> torch.Tensor:
+    """A 0/1 mask of the given shape (bool, integer or floating dtype)."""
+    tensor(arg, m, shape=shape)
+    if m.is_complex():
+        raise TypeError(f"{arg}: expected a 0/1 mask of real dtype; got {m.dtype}")
+    return m
+
+
+def num_generations(arg: str, g, batch: int) -> int:
+    if isinstance(g, bool) or not isinstance(g, int):
+        raise TypeError(f"{arg}: expected a positive int; got {type(g).__name__}")
+    if g <= 0:
+        raise ValueError(f"{arg}: expected a positive int; got {g}")
+    if batch % g != 0:
+        raise ValueError(
+            f"{arg}: expected a divisor of the batch size {batch} (completions of one prompt are "
+            f"contiguous rows); got {g}"
+        )
+    return g
+
+
+def same_device(tensors: dict[str, torch.Tensor | None]) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        desc = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"tensors must share one device; got {desc}")
+
+
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+def logprob_inputs(hidden, weight, targets, bias, temperature, ignore_index) -> None:
+    """SPEC §1 inputs: hidden [..., H], weight [V, H], targets [...] integer, bias [V] | None."""
+    tensor("hidden", hidden, floating=True)
+    if hidden.dim() < 1:
+        raise ValueError("hidden: expected shape [..., H]; got a 0-D tensor")
+    H = hidden.shape[-1]
+    tensor("weight", weight, shape=(None, H), floating=True)
+    if {hidden.dtype, weight.dtype} == {torch.float16, torch.bfloat16}:
+        raise TypeError("weight: expected the dtype family of hidden (fp16 with fp16/fp32, bf16 "
+                        f"with bf16/fp32); got hidden {hidden.dtype} and weight {weight.dtype}")
+    tensor("targets", targets, shape=tuple(hidden.shape[:-1]))
+    if targets.dtype not in INT_DTYPES:
+        raise TypeError(f"targets: expected an integer (int64) tensor; got {targets.dtype}")
+    V = weight.shape[0]
+    if bias is not None:
+        tensor("bias", bias, shape=(V,), floating=True)
+    positive("temperature", temperature)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index: expected an int; got {type(ignore_index).__name__}")
+    same_device({"hidden": hidden, "weight": weight, "targets": targets, "bias": bias})
+    if targets.numel():
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= V))
+        if bool(bad.any()):
+            first = int(targets[bad].reshape(-1)[0])
+            raise ValueError(
+                f"targets: expected ids in [0, {V}) or ignore_index={ignore_index}; got {first}"
+            )
+
+
+def loss_batch(logps, ref_logps, mask_) -> tuple[int, int]:
+    """logps [B, T] floating; ref_logps (if given) and mask of the same shape. Returns (B, T)."""
+    tensor("logps", logps, ndim=2, floating=True)
+    B, T = logps.shape
+    if ref_logps is not None:
+        tensor("ref_logps", ref_logps, shape=(B, T), floating=True)
+    mask("mask", mask_, (B, T))
+    return B, T
+
+
+def optional_per_token(arg: str, t, B: int, T: int) -> None:
+    if t is not None:
+        tensor(arg, t, shape=(B, T), floating=True)
+
+
+def advantages_or_rewards(advantages, rewards, num_generations_, B: int, need_rewards: bool):
+    """f-GRPO's inputs: `advantages` [B], or `rewards` [B] with `num_generations` (normalised
+    inside). Both are accepted only when rewards are needed besides (group_is_weights)."""
+    if advantages is not None:
+        tensor("advantages", advantages, shape=(B,), floating=True)
+    if rewards is not None:
+        tensor("rewards", rewards, shape=(B,), floating=True)
+    if advantages is None and rewards is None:
+        raise ValueError("advantages: expected exactly one of advantages [B] or rewards [B]; got neither")
+    if advantages is not None and rewards is not None and not need_rewards:
+        raise ValueError("advantages: expected exactly one of advantages or rewards; got both")
+    if need_rewards and rewards is None:
+        raise ValueError("rewards: expected a [B] tensor when group_is_weights=True; got None")
+    if rewards is not None or need_rewards:
+        if num_generations_ is None:
+            raise ValueError("num_generations: expected a positive int with rewards; got None")
+        num_generations("num_generations", num_generations_, B)
+    return advantages
+
+
+def chosen(arg: str, c, B: int) -> None:
+    tensor(arg, c, shape=(B,), dtypes=(torch.bool,))
+    n = int(c.sum())
+    if n == 0 or n == B:
+        pool = "chosen" if n == 0 else "rejected"
+        raise ValueError(f"{arg}: expected non-empty chosen and rejected pools; the {pool} pool is empty")
