@@ -47,8 +47,9 @@ class LinearLogProbFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool):
         backend = select_backend(hidden.device)
-        logp, lse, entropy = backend.logprob_fwd(hidden, weight, targets, bias, opts,
-                                                 return_entropy)
+        logp, lse, entropy = backend.logprob_fwd(
+            hidden, weight, targets, bias, opts, return_entropy
+        )
         ctx.save_for_backward(hidden, weight, targets, bias, lse, entropy)
         ctx.opts, ctx.backend = opts, backend
         if entropy is None:
@@ -62,6 +63,7 @@ class LinearLogProbFunction(torch.autograd.Function):
         if entropy is None:
             grad_entropy = None
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
-        dh, dw, db = ctx.backend.logprob_bwd(hidden, weight, targets, bias, lse, entropy,
-                                             grad_logp, grad_entropy, ctx.opts, needs)
+        dh, dw, db = ctx.backend.logprob_bwd(
+            hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy, ctx.opts, needs
+        )
         return dh, dw, None, db, None, None

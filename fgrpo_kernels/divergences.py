@@ -30,7 +30,7 @@ Fn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def clamp_exp_arg(x: torch.Tensor) -> torch.Tensor:
-    """min(x, 80) in value, identity in gradient: exp(clamp_exp_arg(x)) saturates value and slope."""
+    """min(x, 80) in value, identity in slope: exp(clamp_exp_arg(x)) saturates value and slope."""
     return x - (x - EXP_CLAMP).clamp(min=0).detach()
 
 
@@ -43,8 +43,8 @@ def sat_expm1(x: torch.Tensor) -> torch.Tensor:
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor:
-    """Exact, stable softplus: max(x, 0) + log1p(exp(−|x|)) (no threshold approximation)."""
-    return x.clamp(min=0) + torch.log1p(torch.exp(-x.abs()))
+    """Exact, stable softplus ln(1 + e^x) = logaddexp(x, 0), slope sigmoid(x) (no threshold)."""
+    return torch.logaddexp(x, torch.zeros_like(x))
 
 
 class Divergence(enum.IntEnum):

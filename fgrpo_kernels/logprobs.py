@@ -9,8 +9,17 @@ from .autograd import LinearLogProbFunction
 from .options import LogProbOptions
 
 
-def fused_linear_logprobs(hidden, weight, targets, bias=None, temperature=1.0, ignore_index=-100,
-                          return_entropy=False, *, fast_fp32=False):
+def fused_linear_logprobs(
+    hidden,
+    weight,
+    targets,
+    bias=None,
+    temperature=1.0,
+    ignore_index=-100,
+    return_entropy=False,
+    *,
+    fast_fp32=False,
+):
     """logp[n] = log_softmax((h_n W^T + b) / τ)[y_n] without materialising the [N, V] logits.
 
     hidden [..., H] fp32/bf16/fp16, weight [V, H], targets [...] integer, bias [V] or None.

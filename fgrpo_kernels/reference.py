@@ -31,8 +31,9 @@ def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
 # ----------------------------------------------------------------------------- log-probs
 
 
-def logprobs(hidden, weight, targets, bias=None, temperature=1.0, ignore_index=-100,
-             return_entropy=False):
+def logprobs(
+    hidden, weight, targets, bias=None, temperature=1.0, ignore_index=-100, return_entropy=False
+):
     """log_softmax((h W^T + b) / τ)[y] per position, through the full [N, V] logits.
 
     hidden [..., H], weight [V, H], targets [...] integer, bias [V] or None. Returns logp [...]
@@ -86,8 +87,10 @@ def group_zscore(x, num_generations, eps=1e-4, unbiased=True, scale="group", det
         mu = mu.detach()
         sigma = None if sigma is None else sigma.detach()
     centered = groups - mu
-    out = centered if sigma is None else centered / (sigma + eps)
-    return out.reshape(x.shape)
+    if sigma is not None:
+        denom = sigma + eps
+        centered = torch.where(denom > 0, centered / torch.where(denom > 0, denom, 1.0), 0.0)
+    return centered.reshape(x.shape)
 
 
 def group_normalize(rewards, num_generations, eps=1e-4, unbiased=True, scale="group"):
@@ -105,7 +108,9 @@ def importance_weights(rewards, advantages, old_logps, mask, num_generations):
     """Detached w_i = G·softmax_j(s_i·R_j − S_j)_i over i's group, s_i = sign(a_i) (+1 if a_i > 0
     else −1), S_j = Σ_t mask·old_logps (the f-GRPO paper's self-normalised weight)."""
     dtype = compute_dtype(old_logps, rewards)
-    seq_old = torch.where(mask.bool(), old_logps.to(dtype), 0.0).sum(-1).reshape(-1, num_generations)
+    seq_old = (
+        torch.where(mask.bool(), old_logps.to(dtype), 0.0).sum(-1).reshape(-1, num_generations)
+    )
     r = rewards.to(dtype).reshape(-1, num_generations)
     w_pos = torch.softmax(r - seq_old, dim=-1).reshape(-1)
     w_neg = torch.softmax(-r - seq_old, dim=-1).reshape(-1)
@@ -119,9 +124,21 @@ def _seq_log_ratio(logps, ref_logps, mask, dtype):
     return torch.where(mask.bool(), logps.to(dtype) - ref_logps.to(dtype), 0.0).sum(-1)
 
 
-def fgrpo_loss(logps, ref_logps, advantages, mask, divergence="pearson", beta=0.1, level="token",
-               reduction=None, *, group_is_weights=False, old_logps=None, rewards=None,
-               num_generations=None):
+def fgrpo_loss(
+    logps,
+    ref_logps,
+    advantages,
+    mask,
+    divergence="pearson",
+    beta=0.1,
+    level="token",
+    reduction=None,
+    *,
+    group_is_weights=False,
+    old_logps=None,
+    rewards=None,
+    num_generations=None,
+):
     """f-GRPO: Σ over units of |a_i|·φ_{sign a_i}(r), r = β·log(π/π_ref) per token or sequence.
 
     level "token": r[i,t] = β(logps − ref); reductions "token_mean" (default), "seq_mean", "sum".
@@ -136,8 +153,9 @@ def fgrpo_loss(logps, ref_logps, advantages, mask, divergence="pearson", beta=0.
     check.choice("level", level, LEVELS)
     reduction = REDUCTIONS[level][0] if reduction is None else reduction
     check.choice("reduction", reduction, REDUCTIONS[level])
-    advantages = check.advantages_or_rewards(advantages, rewards, num_generations, B,
-                                             need_rewards=group_is_weights)
+    advantages = check.advantages_or_rewards(
+        advantages, rewards, num_generations, B, need_rewards=group_is_weights
+    )
     dtype = compute_dtype(logps, ref_logps, advantages)
     if advantages is None:
         advantages = group_normalize(rewards, num_generations)
@@ -163,9 +181,20 @@ def fgrpo_loss(logps, ref_logps, advantages, mask, divergence="pearson", beta=0.
 # ----------------------------------------------------------------------------- GRPO family
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type="dapo", beta=0.04,
-              epsilon_low=0.2, epsilon_high=0.2, importance_sampling_level="token",
-              max_completion_length=None, num_items_in_batch=None):
+def grpo_loss(
+    logps,
+    old_logps,
+    ref_logps,
+    advantages,
+    mask,
+    loss_type="dapo",
+    beta=0.04,
+    epsilon_low=0.2,
+    epsilon_high=0.2,
+    importance_sampling_level="token",
+    max_completion_length=None,
+    num_items_in_batch=None,
+):
     """TRL/Liger GRPO: −min(c1·a, clip(c1)·a) + β·k3(ref, logps), reduced per `loss_type`.
 
     c1 = exp(log_ratio), log_ratio = logps − old_logps per token, or its masked sequence mean
@@ -213,8 +242,17 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, loss_type="dapo", b
 # ----------------------------------------------------------------------------- GIFT
 
 
-def gift_loss(logps, ref_logps, rewards, mask, num_generations, beta=1.0, eps=1e-4,
-              unbiased=True, detach_stats=False):
+def gift_loss(
+    logps,
+    ref_logps,
+    rewards,
+    mask,
+    num_generations,
+    beta=1.0,
+    eps=1e-4,
+    unbiased=True,
+    detach_stats=False,
+):
     """GIFT: mean_i (R̂_i − β·k̂_i)², k_i = Σ_t mask·(logps − ref), ^ = group z-score.
 
     detach_stats=False differentiates through the group mean and std of k (the paper);
@@ -236,7 +274,7 @@ def gift_loss(logps, ref_logps, rewards, mask, num_generations, beta=1.0, eps=1e
 
 
 def fdo_loss(logps, ref_logps, mask, chosen, divergence="pearson", beta=0.1):
-    """FDO on preference data: mean_chosen φ₊(r) + mean_rejected φ₋(r), r_i = β Σ_t mask·log-ratio."""
+    """FDO: mean_chosen φ₊(r) + mean_rejected φ₋(r), r_i = β Σ_t mask·(logps − ref_logps)."""
     B, _ = check.loss_batch(logps, ref_logps, mask)
     check.chosen("chosen", chosen, B)
     spec = TABLE[get_divergence(divergence)]
@@ -245,8 +283,21 @@ def fdo_loss(logps, ref_logps, mask, chosen, divergence="pearson", beta=0.1):
     return spec.phi_pos(r[chosen]).mean() + spec.phi_neg(r[~chosen]).mean()
 
 
-def fhal_loss(logps, ref_logps, advantages, mask, pref_logps, pref_ref_logps, pref_mask, chosen,
-              divergence="pearson", beta=0.1, lam=0.5, level="token", reduction=None):
+def fhal_loss(
+    logps,
+    ref_logps,
+    advantages,
+    mask,
+    pref_logps,
+    pref_ref_logps,
+    pref_mask,
+    chosen,
+    divergence="pearson",
+    beta=0.1,
+    lam=0.5,
+    level="token",
+    reduction=None,
+):
     """f-HAL = lam·FDO(preference batch) + (1 − lam)·f-GRPO(on-policy batch), one divergence/β."""
     check.real("lam", lam)
     if not 0.0 <= lam <= 1.0:

@@ -102,8 +102,10 @@ def logprob_inputs(hidden, weight, targets, bias, temperature, ignore_index) -> 
     H = hidden.shape[-1]
     tensor("weight", weight, shape=(None, H), floating=True)
     if {hidden.dtype, weight.dtype} == {torch.float16, torch.bfloat16}:
-        raise TypeError("weight: expected the dtype family of hidden (fp16 with fp16/fp32, bf16 "
-                        f"with bf16/fp32); got hidden {hidden.dtype} and weight {weight.dtype}")
+        raise TypeError(
+            "weight: expected the dtype family of hidden (fp16 with fp16/fp32, bf16 "
+            f"with bf16/fp32); got hidden {hidden.dtype} and weight {weight.dtype}"
+        )
     tensor("targets", targets, shape=tuple(hidden.shape[:-1]))
     if targets.dtype not in INT_DTYPES:
         raise TypeError(f"targets: expected an integer (int64) tensor; got {targets.dtype}")
@@ -146,7 +148,9 @@ def advantages_or_rewards(advantages, rewards, num_generations_, B: int, need_re
     if rewards is not None:
         tensor("rewards", rewards, shape=(B,), floating=True)
     if advantages is None and rewards is None:
-        raise ValueError("advantages: expected exactly one of advantages [B] or rewards [B]; got neither")
+        raise ValueError(
+            "advantages: expected exactly one of advantages [B] or rewards [B]; got neither"
+        )
     if advantages is not None and rewards is not None and not need_rewards:
         raise ValueError("advantages: expected exactly one of advantages or rewards; got both")
     if need_rewards and rewards is None:
@@ -163,4 +167,6 @@ def chosen(arg: str, c, B: int) -> None:
     n = int(c.sum())
     if n == 0 or n == B:
         pool = "chosen" if n == 0 else "rejected"
-        raise ValueError(f"{arg}: expected non-empty chosen and rejected pools; the {pool} pool is empty")
+        raise ValueError(
+            f"{arg}: expected non-empty chosen and rejected pools; the {pool} pool is empty"
+        )

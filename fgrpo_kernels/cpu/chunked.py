@@ -71,8 +71,18 @@ def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entr
     return logp, lse, entropy
 
 
-def logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
-                opts: LogProbOptions, needs: tuple[bool, bool, bool]):
+def logprob_bwd(
+    hidden,
+    weight,
+    targets,
+    bias,
+    lse,
+    entropy,
+    grad_logp,
+    grad_entropy,
+    opts: LogProbOptions,
+    needs: tuple[bool, bool, bool],
+):
     """Gradients (dhidden, dweight, dbias) of Σ g·logp + Σ g_H·entropy; None where not needed.
 
     dz = (g·(onehot − p) − g_H·p·(z − lse + H)) / τ per logits tile.
@@ -82,7 +92,11 @@ def logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_ent
     inv_t = 1.0 / opts.temperature
     valid = targets != opts.ignore_index
     acc = acc_dtype(hidden)
-    g = torch.zeros(N, dtype=acc) if grad_logp is None else torch.where(valid, grad_logp.to(acc), 0.0)
+    g = (
+        torch.zeros(N, dtype=acc)
+        if grad_logp is None
+        else torch.where(valid, grad_logp.to(acc), 0.0)
+    )
     g_ent = None if grad_entropy is None else torch.where(valid, grad_entropy.to(acc), 0.0)
     dh = torch.zeros(hidden.shape, dtype=acc) if need_h else None
     dw = torch.zeros(weight.shape, dtype=acc) if need_w else None
