@@ -6,10 +6,17 @@ from . import reference
 from .cpu import cpu_backend
 from .divergences import Divergence
 from .logprobs import fused_linear_logprobs
+from .losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
+from .losses_preference import FusedLinearFDOLoss, FusedLinearFHALLoss
 from .reference import group_normalize
 
 __all__ = [
     "Divergence",
+    "FusedLinearFDOLoss",
+    "FusedLinearFGRPOLoss",
+    "FusedLinearFHALLoss",
+    "FusedLinearGIFTLoss",
+    "FusedLinearGRPOLoss",
     "__version__",
     "cpu_backend",
     "fused_linear_logprobs",

@@ -20,19 +20,23 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def select_backend(device: torch.device) -> ModuleType:
-    """Triton on CUDA tensors and under TRITON_INTERPRET=1; else the CPU backend.
+def use_triton(device: torch.device) -> bool:
+    """Triton on CUDA tensors and under TRITON_INTERPRET=1; else the CPU path.
 
-    FGRPO_BACKEND=cpu forces the CPU backend for CPU tensors even under the interpreter (the
-    tests use it to run both paths in one process); =triton forces the Triton kernels.
+    FGRPO_BACKEND=cpu forces the CPU path for CPU tensors even under the interpreter (the tests
+    use it to run both paths in one process); =triton forces the Triton kernels.
     """
     forced = os.environ.get("FGRPO_BACKEND", "auto")
     if forced not in ("auto", "cpu", "triton"):
         raise ValueError(f"FGRPO_BACKEND: expected one of 'auto', 'cpu', 'triton'; got {forced!r}")
-    use_triton = device.type == "cuda" or interpreting()
-    if forced != "auto" and device.type != "cuda":
-        use_triton = forced == "triton"
-    if use_triton:
+    if device.type == "cuda":
+        return True
+    return interpreting() if forced == "auto" else forced == "triton"
+
+
+def select_backend(device: torch.device) -> ModuleType:
+    """The module whose `logprob_fwd` / `logprob_bwd` serve tensors on `device`."""
+    if use_triton(device):
         from . import kernels
 
         return kernels
@@ -46,6 +50,7 @@ class LinearLogProbFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool):
+        ctx.set_materialize_grads(False)
         backend = select_backend(hidden.device)
         logp, lse, entropy = backend.logprob_fwd(
             hidden, weight, targets, bias, opts, return_entropy
@@ -62,8 +67,30 @@ class LinearLogProbFunction(torch.autograd.Function):
         hidden, weight, targets, bias, lse, entropy = ctx.saved_tensors
         if entropy is None:
             grad_entropy = None
+        if grad_logp is None and grad_entropy is None:
+            return None, None, None, None, None, None
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
         dh, dw, db = ctx.backend.logprob_bwd(
             hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy, ctx.opts, needs
         )
         return dh, dw, None, db, None, None
+
+
+class EpilogueFunction(torch.autograd.Function):
+    """loss = epilogue(logps, ...) whose forward already returns dL/dlogps; backward scales it.
+
+    `epilogue(logps, *args) -> (loss, dloss_dlogps)` is one of the `fgrpo_kernels.epilogue`
+    functions; only `logps` is differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, logps, epilogue, *args):
+        loss, grad = epilogue(logps, *args)
+        ctx.save_for_backward(grad)
+        ctx.n_args = len(args)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_loss, None) + (None,) * ctx.n_args

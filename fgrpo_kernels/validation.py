@@ -170,3 +170,47 @@ def chosen(arg: str, c, B: int) -> None:
         raise ValueError(
             f"{arg}: expected non-empty chosen and rejected pools; the {pool} pool is empty"
         )
+
+
+def linear_batch(hidden, weight, ids, mask_, bias, *, prefix: str = ""):
+    """The fused modules' inputs: hidden [B, T, H], weight [V, H], ids [B, T] in [0, V) where
+    the mask is set, mask [B, T], bias [V] | None. Returns (B, T, H, V)."""
+    tensor(f"{prefix}hidden", hidden, ndim=3, floating=True)
+    B, T, H = hidden.shape
+    tensor("weight", weight, shape=(None, H), floating=True)
+    if {hidden.dtype, weight.dtype} == {torch.float16, torch.bfloat16}:
+        raise TypeError(
+            f"weight: expected the dtype family of {prefix}hidden (fp16 or bf16, each with fp32); "
+            f"got {prefix}hidden {hidden.dtype} and weight {weight.dtype}"
+        )
+    V = weight.shape[0]
+    tensor(f"{prefix}completion_ids", ids, shape=(B, T))
+    if ids.dtype not in INT_DTYPES:
+        raise TypeError(f"{prefix}completion_ids: expected an integer tensor; got {ids.dtype}")
+    mask(f"{prefix}completion_mask", mask_, (B, T))
+    if bias is not None:
+        tensor("bias", bias, shape=(V,), floating=True)
+    same_device(
+        {
+            f"{prefix}hidden": hidden,
+            "weight": weight,
+            f"{prefix}completion_ids": ids,
+            f"{prefix}completion_mask": mask_,
+            "bias": bias,
+        }
+    )
+    live = ids[mask_.bool()]
+    if live.numel() and bool(((live < 0) | (live >= V)).any()):
+        bad = int(live[(live < 0) | (live >= V)][0])
+        raise ValueError(
+            f"{prefix}completion_ids: expected ids in [0, {V}) where the mask is set; got {bad}"
+        )
+    return B, T, H, V
+
+
+def positive_int(arg: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{arg}: expected a positive int; got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{arg}: expected a positive int; got {value}")
+    return value

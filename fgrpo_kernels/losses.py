@@ -1,0 +1,323 @@
+"""Fused modules (SPEC §5): hidden states and the lm_head in, (loss, metrics) out.
+
+Each module computes the per-token log-probs with the fused kernel (never the [N, V] logits),
+then runs the loss epilogue, which returns the loss and dL/dlogp in one pass; backward feeds
+dL/dlogp · grad_output to the log-prob backward. `metrics` is a dict of detached scalars.
+
+Shapes: hidden [B, T, H], weight [V, H], completion_ids / completion_mask [B, T],
+advantages / rewards [B], per-token log-probs [B, T].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import epilogue, metrics
+from . import validation as check
+from .autograd import EpilogueFunction
+from .divergences import get_divergence
+from .epilogue import Level, LossType, Reduction, Scale, enum_of
+from .logprobs import fused_linear_logprobs
+from .reference import LEVELS, LOSS_TYPES, REDUCTIONS, SCALES
+
+
+class _FusedLinearLoss(torch.nn.Module):
+    """Shared plumbing: options, the policy log-probs, the optional in-call reference pass."""
+
+    def __init__(self, temperature=1.0, compute_entropy=False, fast_fp32=False):
+        super().__init__()
+        self.temperature = check.positive("temperature", temperature)
+        self.compute_entropy = bool(compute_entropy)
+        self.fast_fp32 = bool(fast_fp32)
+
+    def _logps(self, hidden, weight, ids, mask, bias, entropy=False):
+        """Per-token log-probs [B, T] (0 where masked); only unmasked rows reach the kernel."""
+        B, T, H = hidden.shape
+        keep = mask.reshape(-1).bool()
+        rows = keep.nonzero().squeeze(1)
+        out = fused_linear_logprobs(
+            hidden.reshape(B * T, H).index_select(0, rows),
+            weight,
+            ids.reshape(-1).index_select(0, rows),
+            bias,
+            self.temperature,
+            return_entropy=entropy,
+            fast_fp32=self.fast_fp32,
+        )
+        logp, ent = out if entropy else (out, None)
+
+        def scatter(x):
+            return x.new_zeros(B * T).index_copy(0, rows, x).reshape(B, T)
+
+        return scatter(logp), None if ent is None else scatter(ent.detach())
+
+    def _given_or_computed(self, name, given, hidden, weight, bias, ids, mask, B, T):
+        """Per-token log-probs passed in, or computed forward-only from (hidden, weight, bias)."""
+        if given is not None:
+            check.tensor(name, given, shape=(B, T), floating=True)
+            return given.detach()
+        if hidden is None:
+            return None
+        check.linear_batch(hidden, weight, ids, mask, bias, prefix="ref_")
+        with torch.no_grad():
+            return self._logps(hidden, weight, ids, mask, bias)[0]
+
+
+class FusedLinearFGRPOLoss(_FusedLinearLoss):
+    """f-GRPO on hidden states: |a_i|·φ_{sign a_i}(β·log π/π_ref) per token or sequence.
+
+    Pass exactly one of `advantages` [B] or `rewards` [B] (then `num_generations` is needed and
+    the group normalisation of SPEC §2 is fused into the epilogue, with `scale_rewards`, `eps`,
+    `unbiased`). Reference log-probs come as `ref_per_token_logps` [B, T] or are computed in the
+    call from `ref_hidden` (and `ref_weight`, `ref_bias`; default: the policy's lm_head).
+    `group_is_weights=True` applies the f-GRPO paper's group importance weights (needs rewards;
+    old log-probs default to the current ones, detached).
+    """
+
+    def __init__(
+        self,
+        divergence="pearson",
+        beta=0.1,
+        level="token",
+        reduction=None,
+        num_generations=None,
+        temperature=1.0,
+        scale_rewards="group",
+        eps=1e-4,
+        unbiased=True,
+        group_is_weights=False,
+        compute_entropy=False,
+        fast_fp32=False,
+    ):
+        super().__init__(temperature, compute_entropy, fast_fp32)
+        check.choice("level", level, LEVELS)
+        reduction = REDUCTIONS[level][0] if reduction is None else reduction
+        check.choice("reduction", reduction, REDUCTIONS[level])
+        check.choice("scale_rewards", scale_rewards, SCALES)
+        if num_generations is not None:
+            check.positive_int("num_generations", num_generations)
+        self.opts = epilogue.FGRPOOptions(
+            divergence=get_divergence(divergence),
+            beta=check.real("beta", beta),
+            level=enum_of(Level, level),
+            reduction=enum_of(Reduction, reduction),
+            num_generations=num_generations,
+            scale=enum_of(Scale, scale_rewards),
+            eps=check.positive("eps", eps, allow_zero=True),
+            unbiased=bool(unbiased),
+            group_is_weights=bool(group_is_weights),
+        )
+
+    def forward(
+        self,
+        hidden,
+        weight,
+        completion_ids,
+        completion_mask,
+        *,
+        advantages=None,
+        rewards=None,
+        ref_per_token_logps=None,
+        old_per_token_logps=None,
+        bias=None,
+        ref_hidden=None,
+        ref_weight=None,
+        ref_bias=None,
+    ):
+        opts = self.opts
+        B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
+        if advantages is not None and rewards is not None and not opts.group_is_weights:
+            raise ValueError("advantages: expected exactly one of advantages or rewards; got both")
+        check.advantages_or_rewards(
+            advantages, rewards, opts.num_generations, B, need_rewards=opts.group_is_weights
+        )
+        check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
+        ref = self._given_or_computed(
+            "ref_per_token_logps",
+            ref_per_token_logps,
+            ref_hidden,
+            weight if ref_weight is None else ref_weight,
+            ref_bias,
+            completion_ids,
+            completion_mask,
+            B,
+            T,
+        )
+        if ref is None:
+            raise ValueError(
+                "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
+            )
+        logps, ent = self._logps(
+            hidden, weight, completion_ids, completion_mask, bias, self.compute_entropy
+        )
+        old = None
+        if opts.group_is_weights:
+            old = logps.detach() if old_per_token_logps is None else old_per_token_logps
+        adv = None if advantages is None else advantages.detach().float()
+        rw = None if rewards is None else rewards.detach().float()
+        loss = EpilogueFunction.apply(
+            logps, epilogue.fgrpo, ref, completion_mask, adv, rw, old, opts
+        )
+        return loss, metrics.fgrpo(loss, logps, ref, completion_mask, adv, rw, ent, opts)
+
+
+class FusedLinearGRPOLoss(_FusedLinearLoss):
+    """TRL's GRPOTrainer loss / Liger's LigerFusedLinearGRPOLoss on hidden states (drop-in).
+
+    loss_type "grpo" | "bnpo" | "dr_grpo" | "dapo"; importance_sampling_level "token" |
+    "sequence" (GSPO). old log-probs default to the current ones, detached. With beta != 0 the
+    reference log-probs are required (`ref_per_token_logps`, or `ref_input`/`ref_hidden`) unless
+    `use_ref_model=False`. `compiled` and `chunk_size` are accepted for Liger compatibility and
+    have no effect here.
+    """
+
+    def __init__(
+        self,
+        loss_type="dapo",
+        beta=0.04,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        importance_sampling_level="token",
+        temperature=1.0,
+        max_completion_length=None,
+        use_ref_model=True,
+        compute_entropy=False,
+        fast_fp32=False,
+        compiled=True,
+        chunk_size=1,
+    ):
+        super().__init__(temperature, compute_entropy, fast_fp32)
+        check.choice("loss_type", loss_type, LOSS_TYPES)
+        check.choice("importance_sampling_level", importance_sampling_level, LEVELS)
+        if max_completion_length is not None:
+            check.positive_int("max_completion_length", max_completion_length)
+        self.use_ref_model = bool(use_ref_model)
+        self.opts = epilogue.GRPOOptions(
+            loss_type=enum_of(LossType, loss_type),
+            beta=check.real("beta", beta),
+            epsilon_low=check.positive("epsilon_low", epsilon_low, allow_zero=True),
+            epsilon_high=check.positive("epsilon_high", epsilon_high, allow_zero=True),
+            level=enum_of(Level, importance_sampling_level),
+            max_completion_length=max_completion_length,
+        )
+
+    def forward(
+        self,
+        hidden,
+        weight,
+        completion_ids,
+        completion_mask,
+        advantages,
+        bias=None,
+        *,
+        ref_per_token_logps=None,
+        old_per_token_logps=None,
+        ref_input=None,
+        ref_hidden=None,
+        ref_weight=None,
+        ref_bias=None,
+        num_items_in_batch=None,
+    ):
+        opts = self.opts
+        B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
+        check.tensor("advantages", advantages, shape=(B,), floating=True)
+        check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
+        if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor):
+            check.positive("num_items_in_batch", num_items_in_batch, allow_zero=True)
+        ref = None
+        if opts.beta != 0.0 and self.use_ref_model:
+            ref = self._given_or_computed(
+                "ref_per_token_logps",
+                ref_per_token_logps,
+                ref_hidden if ref_hidden is not None else ref_input,
+                weight if ref_weight is None else ref_weight,
+                ref_bias,
+                completion_ids,
+                completion_mask,
+                B,
+                T,
+            )
+            if ref is None:
+                raise ValueError(
+                    "ref_per_token_logps: expected [B, T] reference log-probs (or "
+                    "ref_input) when beta != 0; got None"
+                )
+        logps, ent = self._logps(
+            hidden, weight, completion_ids, completion_mask, bias, self.compute_entropy
+        )
+        old = None if old_per_token_logps is None else old_per_token_logps.detach()
+        adv = advantages.detach().float()
+        loss = EpilogueFunction.apply(
+            logps, epilogue.grpo, old, ref, completion_mask, adv, num_items_in_batch, opts
+        )
+        return loss, metrics.grpo(loss, logps, old, ref, completion_mask, adv, ent, opts)
+
+
+class FusedLinearGIFTLoss(_FusedLinearLoss):
+    """GIFT on hidden states: mean_i (R̂_i − β·k̂_i)², k_i the summed log-ratio of row i.
+
+    detach_stats=False differentiates through the group mean/std of k (the paper); True holds
+    them constant (the released code). Pass old log-probs as `ref_per_token_logps` for the
+    released code's π_old variant.
+    """
+
+    def __init__(
+        self,
+        num_generations,
+        beta=1.0,
+        eps=1e-4,
+        detach_stats=False,
+        temperature=1.0,
+        unbiased=True,
+        compute_entropy=False,
+        fast_fp32=False,
+    ):
+        super().__init__(temperature, compute_entropy, fast_fp32)
+        check.positive_int("num_generations", num_generations)
+        self.opts = epilogue.GIFTOptions(
+            num_generations=num_generations,
+            beta=check.real("beta", beta),
+            eps=check.positive("eps", eps, allow_zero=True),
+            unbiased=bool(unbiased),
+            detach_stats=bool(detach_stats),
+        )
+
+    def forward(
+        self,
+        hidden,
+        weight,
+        completion_ids,
+        completion_mask,
+        rewards,
+        ref_per_token_logps=None,
+        *,
+        bias=None,
+        ref_hidden=None,
+        ref_weight=None,
+        ref_bias=None,
+    ):
+        opts = self.opts
+        B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
+        check.tensor("rewards", rewards, shape=(B,), floating=True)
+        check.num_generations("num_generations", opts.num_generations, B)
+        ref = self._given_or_computed(
+            "ref_per_token_logps",
+            ref_per_token_logps,
+            ref_hidden,
+            weight if ref_weight is None else ref_weight,
+            ref_bias,
+            completion_ids,
+            completion_mask,
+            B,
+            T,
+        )
+        if ref is None:
+            raise ValueError(
+                "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
+            )
+        logps, ent = self._logps(
+            hidden, weight, completion_ids, completion_mask, bias, self.compute_entropy
+        )
+        rw = rewards.detach().float()
+        loss = EpilogueFunction.apply(logps, epilogue.gift, ref, completion_mask, rw, opts)
+        return loss, metrics.gift(loss, logps, ref, completion_mask, ent, opts)

@@ -1,0 +1,140 @@
+"""Fused modules for off-policy preference data: FDO, and f-HAL = λ·FDO + (1 − λ)·f-GRPO.
+
+Shapes: hidden [B, T, H], weight [V, H], completion_ids / completion_mask [B, T], chosen [B]
+bool (both pools non-empty).
+"""
+
+from __future__ import annotations
+
+from . import epilogue, metrics
+from . import validation as check
+from .autograd import EpilogueFunction
+from .divergences import get_divergence
+from .losses import FusedLinearFGRPOLoss, _FusedLinearLoss
+
+
+class FusedLinearFDOLoss(_FusedLinearLoss):
+    """FDO: mean_chosen φ₊(r) + mean_rejected φ₋(r), r_i = β Σ_t mask·log(π/π_ref)."""
+
+    def __init__(self, divergence="pearson", beta=0.1, temperature=1.0, fast_fp32=False):
+        super().__init__(temperature, False, fast_fp32)
+        self.opts = epilogue.FDOOptions(get_divergence(divergence), check.real("beta", beta))
+
+    def forward(
+        self,
+        hidden,
+        weight,
+        completion_ids,
+        completion_mask,
+        chosen,
+        ref_per_token_logps=None,
+        *,
+        bias=None,
+        ref_hidden=None,
+        ref_weight=None,
+        ref_bias=None,
+    ):
+        B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
+        check.chosen("chosen", chosen, B)
+        ref = self._given_or_computed(
+            "ref_per_token_logps",
+            ref_per_token_logps,
+            ref_hidden,
+            weight if ref_weight is None else ref_weight,
+            ref_bias,
+            completion_ids,
+            completion_mask,
+            B,
+            T,
+        )
+        if ref is None:
+            raise ValueError(
+                "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
+            )
+        logps, _ = self._logps(hidden, weight, completion_ids, completion_mask, bias)
+        loss = EpilogueFunction.apply(logps, epilogue.fdo, ref, completion_mask, chosen, self.opts)
+        return loss, metrics.fdo(loss, logps, ref, completion_mask, chosen, self.opts.beta)
+
+
+class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
+    """f-HAL: lam·FDO(preference batch) + (1 − lam)·f-GRPO(on-policy batch), one divergence
+    and β for both. The on-policy arguments are those of FusedLinearFGRPOLoss; the preference
+    batch comes as pref_hidden, pref_completion_ids, pref_completion_mask, chosen."""
+
+    def __init__(
+        self,
+        divergence="pearson",
+        beta=0.1,
+        lam=0.5,
+        level="token",
+        reduction=None,
+        num_generations=None,
+        temperature=1.0,
+        **fgrpo_options,
+    ):
+        super().__init__(
+            divergence, beta, level, reduction, num_generations, temperature, **fgrpo_options
+        )
+        check.real("lam", lam)
+        if not 0.0 <= lam <= 1.0:
+            raise ValueError(f"lam: expected a number in [0, 1]; got {lam!r}")
+        self.lam = float(lam)
+        self.fdo = FusedLinearFDOLoss(divergence, beta, temperature, self.fast_fp32)
+
+    def forward(
+        self,
+        hidden,
+        weight,
+        completion_ids,
+        completion_mask,
+        pref_hidden,
+        pref_completion_ids,
+        pref_completion_mask,
+        chosen,
+        *,
+        advantages=None,
+        rewards=None,
+        ref_per_token_logps=None,
+        pref_ref_per_token_logps=None,
+        old_per_token_logps=None,
+        bias=None,
+        ref_hidden=None,
+        pref_ref_hidden=None,
+        ref_weight=None,
+        ref_bias=None,
+    ):
+        check.linear_batch(
+            pref_hidden, weight, pref_completion_ids, pref_completion_mask, bias, prefix="pref_"
+        )
+        check.chosen("chosen", chosen, pref_hidden.shape[0])
+        on_policy, m_on = super().forward(
+            hidden,
+            weight,
+            completion_ids,
+            completion_mask,
+            advantages=advantages,
+            rewards=rewards,
+            ref_per_token_logps=ref_per_token_logps,
+            old_per_token_logps=old_per_token_logps,
+            bias=bias,
+            ref_hidden=ref_hidden,
+            ref_weight=ref_weight,
+            ref_bias=ref_bias,
+        )
+        pref, m_pref = self.fdo(
+            pref_hidden,
+            weight,
+            pref_completion_ids,
+            pref_completion_mask,
+            chosen,
+            pref_ref_per_token_logps,
+            bias=bias,
+            ref_hidden=pref_ref_hidden,
+            ref_weight=ref_weight,
+            ref_bias=ref_bias,
+        )
+        loss = self.lam * pref + (1.0 - self.lam) * on_policy
+        out = {"loss": loss.detach()}
+        out.update({f"fgrpo/{k}": v for k, v in m_on.items()})
+        out.update({f"fdo/{k}": v for k, v in m_pref.items()})
+        return loss, out
