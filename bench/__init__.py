@@ -1,0 +1,1 @@
+"""Benchmark programs; installed as fgrpo_kernels.bench (see pyproject.toml)."""

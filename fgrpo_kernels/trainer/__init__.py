@@ -1,0 +1,1 @@
+"""A thin GRPO-family trainer for Hugging Face causal LMs."""
