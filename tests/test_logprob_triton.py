@@ -256,3 +256,30 @@ def test_all_rows_ignored_give_zero():
     logp, ent, grads = run(*inputs)
     assert not logp.any() and not ent.any()
     assert all(not g.any() for g in grads)
+
+
+# ------------------------------------------------------------------ the tuning table's bounds
+
+
+@given(N=st.integers(1, 1 << 17), H=st.integers(1, 8192), V=st.integers(1, 1 << 18),
+       mixed=st.booleans(), key=st.sampled_from(sorted(configs.TABLE)))  # fmt: skip
+def test_wave_width_bounds_scratch(N, H, V, mixed, key):
+    cfg = configs.TABLE[key]
+    wave = configs.wave_width(N, H, V, cfg, mixed)
+    budget = max(N * H, configs.SCRATCH_FLOOR)
+    assert 1 <= wave <= V
+    assert wave == V or wave % cfg.block_v == 0
+    assert N * wave <= max(budget, N * cfg.block_v)  # the strip [N, Vw]
+    if mixed:
+        assert wave * H <= max(budget, H * cfg.block_v)  # the converted weight wave [Vw, H]
+
+
+@given(N=st.integers(1, 1 << 17), V=st.integers(1, 1 << 18), want=st.none() | st.integers(1, 64),
+       key=st.sampled_from(sorted(configs.TABLE)))  # fmt: skip
+def test_vocab_splits_are_never_empty(N, V, want, key):
+    cfg = configs.TABLE[key]
+    with configs.forced(splits=want):
+        n_splits, per_split = configs.vocab_splits(N, V, cfg, torch.device("cpu"))
+    n_tiles = -(-V // cfg.block_v)
+    assert 1 <= n_splits <= n_tiles
+    assert n_splits * per_split >= n_tiles > (n_splits - 1) * per_split  # the last split has work

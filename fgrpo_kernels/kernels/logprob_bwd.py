@@ -9,6 +9,7 @@ same inputs give bitwise the same gradients; extra memory ≤ max(N·H, SCRATCH_
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -98,6 +99,17 @@ def _fp32_matmul(device: torch.device, fast_fp32: bool):
         flags.fp32_precision = saved
 
 
+@functools.cache
+def _has_out_dtype_mm(device: torch.device) -> bool:
+    """Whether torch.mm/addmm take out_dtype=float32 for bf16 operands here (recent torch, CUDA)."""
+    a = torch.zeros(16, 16, dtype=torch.bfloat16, device=device)
+    try:
+        torch.addmm(torch.zeros(16, 16, device=device), a, a, torch.float32)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
 def _gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
     """out (+)= a @ b, products accumulated in fp32; a and b share a dtype."""
     if a.dtype == out.dtype:
@@ -105,15 +117,15 @@ def _gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool)
             torch.addmm(out, a, b, out=out)
         else:
             torch.mm(a, b, out=out)
-    elif a.is_cuda and out.dtype == torch.float32:
+    elif a.is_cuda and out.dtype == torch.float32 and _has_out_dtype_mm(a.device):
         # bf16/fp16 operands straight into an fp32 output (cuBLAS's out_dtype overloads)
         if accumulate:
             torch.addmm(out, a, b, torch.float32, out=out)
         else:
             torch.mm(a, b, torch.float32, out=out)
     else:
-        # CPU (interpreter) low-precision operands, or fp32 operands into a bf16/fp16 output:
-        # exact upcast, fp32 products, one rounding at the end
+        # CPU (interpreter) or older-torch low-precision operands, or fp32 operands into a
+        # bf16/fp16 output: exact upcast, fp32 products, one rounding at the end
         prod = torch.mm(a.float(), b.float())
         if accumulate:
             out.add_(prod)
