@@ -38,9 +38,10 @@ BIN = Path(triton.backends.nvidia.__file__).parent / "bin"
 ARCHS = {"90": ("sm_90a", 90), "80": ("sm_80", 80)}
 # the dtype variants of each precision key: (name, hidden, weight, dot precision)
 VARIANTS = {
-    "lowp": [("bf16", "bf16", "bf16", "ieee"), ("bf16+fp32w", "bf16", "fp32", "ieee")],
-    "tf32": [("fp32-tf32", "fp32", "fp32", "tf32")],
-    "fp32": [("fp32", "fp32", "fp32", "ieee")],
+    "lowp": ("bf16", "bf16", "bf16", "ieee"),
+    "lowp_fp32w": ("bf16+fp32w", "bf16", "fp32", "ieee"),
+    "tf32": ("fp32-tf32", "fp32", "fp32", "tf32"),
+    "fp32": ("fp32", "fp32", "fp32", "ieee"),
 }
 # arguments the runtime usually specialises as multiples of 16 (fresh allocations, H = 4096)
 DIVISIBLE = ("h_ptr", "w_ptr", "b_ptr", "y_ptr", "H", "stride_hn", "stride_wv")
@@ -61,13 +62,12 @@ class Case:
 def cases(quick: bool) -> list[Case]:
     out = []
     for kernel, key in configs.TABLE:
-        for i, (name, hdt, wdt, prec) in enumerate(VARIANTS[key]):
-            for bias in (True, False):
-                for entropy in (True, False):
-                    full_only = i > 0 and not (bias and entropy)
-                    if (quick and not (key == "lowp" and i == 0 and bias and entropy)) or full_only:
-                        continue
-                    out.append(Case(kernel, key, name, hdt, wdt, prec, bias, entropy))
+        name, hdt, wdt, prec = VARIANTS[key]
+        for bias in (True, False):
+            for entropy in (True, False):
+                if quick and not (key == "lowp" and bias and entropy):
+                    continue
+                out.append(Case(kernel, key, name, hdt, wdt, prec, bias, entropy))
     return out
 
 

@@ -113,7 +113,7 @@ def correctness(sizes, dev) -> list[dict]:
         fast = opt.get("fast_fp32", False)
         split_wave = {}
         if forced:
-            bv = configs.kernel_config("bwd", dt, fast, dev.type != "cuda").block_v
+            bv = configs.kernel_config("bwd", dt, wdt, fast, dev.type != "cuda").block_v
             split_wave = {"splits": forced[0], "wave": forced[1] * bv}
         with configs.forced(**split_wave):
             got = forward_backward(*x, tau, ent, grads, g_up, fast)

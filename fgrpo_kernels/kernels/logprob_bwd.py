@@ -159,7 +159,7 @@ def logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_ent
         ent = entropy if has_g_ent else None
         upcast, dot_precision = dot_flags(_logprob_bwd_kernel, hidden.dtype, opts.fast_fp32)
         cfg = configs.kernel_config(
-            "bwd", hidden.dtype, opts.fast_fp32, interpreted(_logprob_bwd_kernel)
+            "bwd", hidden.dtype, weight.dtype, opts.fast_fp32, interpreted(_logprob_bwd_kernel)
         )
         wave = configs.wave_width(N, H, V, cfg, mixed=weight.dtype != hidden.dtype)
         scratch = torch.empty(N * wave, dtype=hidden.dtype, device=dev)

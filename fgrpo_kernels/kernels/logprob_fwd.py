@@ -107,7 +107,7 @@ def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entr
         return empty, empty.clone(), empty.clone() if return_entropy else None
     upcast, dot_precision = dot_flags(_logprob_fwd_kernel, hidden.dtype, opts.fast_fp32)
     cfg = configs.kernel_config(
-        "fwd", hidden.dtype, opts.fast_fp32, interpreted(_logprob_fwd_kernel)
+        "fwd", hidden.dtype, weight.dtype, opts.fast_fp32, interpreted(_logprob_fwd_kernel)
     )
     n_splits, per_split = configs.vocab_splits(N, V, cfg, dev)
     # t's row is unused (and unwritten) without entropy; 4·S·N floats either way.
