@@ -1,0 +1,1 @@
+"""Triton kernels: tensors in, tensors out, no autograd."""
