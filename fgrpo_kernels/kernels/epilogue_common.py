@@ -88,7 +88,8 @@ def tl_store_row_grad(dlogp_ptr, mask_ptr, base, row_ok, coef, T, BLOCK_T: tl.co
 
 @triton.jit
 def tl_group_center(x, ok, n, dof):
-    """Centred values c = x − μ and σ = sqrt(Σ c² / dof) of the group `ok` (n members).
+    """Centred values c = x − μ and σ = sqrt(Σ c² / dof) of the group `ok` (n members), in the
+    dtype of x (the kernels pass float64: O(G) work per program).
 
     NB: μ is taken about the first member, so a flat group centres to exactly 0 (a plain Σx/n
     is off by an ulp for n = 3, 5, 6, 7, which (x − μ)/(σ + eps) then blows up to ~1e-3)."""
@@ -96,7 +97,11 @@ def tl_group_center(x, ok, n, dof):
     mu = x0 + tl.sum(tl.where(ok, x - x0, 0.0), axis=0) / n
     c = tl.where(ok, x - mu, 0.0)
     var = tl.sum(c * c, axis=0) / dof
-    sigma = tl.where(var > 0, tl.sqrt_rn(tl.maximum(var, 0.0)), 0.0)
+    if x.dtype == tl.float64:
+        root = tl.sqrt(tl.maximum(var, 0.0))  # sqrt.rn.f64: fp64 square roots are exact
+    else:
+        root = tl.sqrt_rn(tl.maximum(var, 0.0))
+    sigma = tl.where(var > 0, root, 0.0)
     return c, sigma
 
 

@@ -83,22 +83,24 @@ def _fgrpo_epilogue_kernel(
             BLOCK_G, BLOCK_T,
         )  # fmt: skip
     if HAS_ADVANTAGES and not HAS_IS_WEIGHTS:
-        rewards = tl.zeros([BLOCK_G], dtype=tl.float32)
+        rewards = tl.zeros([BLOCK_G], dtype=tl.float64)
     else:
-        rewards = tl.load(rewards_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        rewards = tl.load(rewards_ptr + rows, mask=row_ok, other=0.0).to(tl.float64)
     if HAS_ADVANTAGES:
         a = tl.load(adv_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     elif SCALE == 0:
         _, _, a = tl_group_zscore(rewards, row_ok, ROWS, var_dof, eps)
     elif SCALE == 1:
         c, _ = tl_group_center(rewards, row_ok, ROWS, var_dof)
-        a = c * tl_safe_inv(tl.load(sigma_ptr) + eps)
+        a = c * tl_safe_inv(tl.load(sigma_ptr).to(tl.float64) + eps)
     else:
         a, _ = tl_group_center(rewards, row_ok, ROWS, var_dof)
+    a = a.to(tl.float32)
     positive = a > 0
     weight = tl.abs(a) * tl.load(norm_ptr)
     if HAS_IS_WEIGHTS:
-        weight = weight * tl_group_is_weights(rewards, seq_old, positive, row_ok, ROWS)
+        is_w = tl_group_is_weights(rewards.to(tl.float32), seq_old, positive, row_ok, ROWS)
+        weight = weight * is_w
     weight = tl.where(row_ok, weight, 0.0)
 
     if SEQUENCE_LEVEL:
