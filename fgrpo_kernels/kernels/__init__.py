@@ -1,6 +1,7 @@
-"""Triton backend of the fused linear log-prob (imports triton; CUDA tensors or the interpreter).
+"""Triton kernels: tensors in, tensors out, no autograd (imports triton; CUDA or interpreter).
 
-`logprob_fwd` / `logprob_bwd` have the signatures and semantics of `fgrpo_kernels.cpu.chunked`.
+`logprob_fwd` / `logprob_bwd` have the signatures and semantics of `fgrpo_kernels.cpu.chunked`;
+`epilogue` holds the loss epilogues behind `fgrpo_kernels.epilogue`.
 """
 
 from .logprob_bwd import logprob_bwd
