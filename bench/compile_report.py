@@ -1,11 +1,13 @@
-"""Ahead-of-time compile of every log-prob kernel configuration; registers, spills, smem.
+"""Ahead-of-time compile of every kernel configuration; registers, spills, smem.
 
     python bench/compile_report.py [--arch 90|80|all] [--quick] [--csv PATH]
 
 Compiles each entry of `fgrpo_kernels.kernels.configs.TABLE` for its dtype variants (with and
-without bias, entropy on and off) with `triton.compile(ASTSource(...), target=GPUTarget(...))`,
-then runs `ptxas -v` (ptxas-blackwell, -arch=sm_90a / sm_80) on the PTX. Needs no GPU, but
-real JITFunctions: TRITON_INTERPRET is forced to 0 before the kernels are imported.
+without bias, entropy on and off), and every loss-epilogue configuration of
+`fgrpo_kernels.kernels.epilogue.AOT_SPECS`, with `triton.compile(ASTSource(...),
+target=GPUTarget(...))`, then runs `ptxas -v` (ptxas-blackwell, -arch=sm_90a / sm_80) on the
+PTX. Needs no GPU, but real JITFunctions: TRITON_INTERPRET is forced to 0 before the kernels
+are imported.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fgrpo_kernels.kernels import configs  # noqa: E402
+from fgrpo_kernels.kernels.epilogue import AOT_SPECS  # noqa: E402
 from fgrpo_kernels.kernels.logprob_bwd import _logprob_bwd_kernel  # noqa: E402
 from fgrpo_kernels.kernels.logprob_fwd import _logprob_fwd_kernel  # noqa: E402
 
@@ -148,6 +151,37 @@ def compile_case(case: Case, arch_key: str) -> dict:
     return row
 
 
+def epilogue_rows(arch_key: str, quick: bool) -> list[dict]:
+    """The loss-epilogue kernels, one row per `kernels.epilogue.AOT_SPECS` entry (quick: one per
+    kernel function)."""
+    arch, cc = ARCHS[arch_key]
+    rows, seen = [], set()
+    for spec in AOT_SPECS:
+        fn = spec["fn"]
+        if quick and fn.__name__ in seen:
+            continue
+        seen.add(fn.__name__)
+        src = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"])
+        compiled = triton.compile(
+            src, target=GPUTarget("cuda", cc, 32), options={"num_warps": spec["num_warps"]}
+        )
+        c = spec["constexprs"]
+        row = {
+            "kernel": fn.__name__,
+            "arch": arch,
+            "dtype": spec["name"],
+            "bias": "-",
+            "entropy": "-",
+            "tile": f"G{c['BLOCK_G']}xT{c['BLOCK_T']}",
+            "warps": spec["num_warps"],
+            "stages": compiled.metadata.num_stages,
+        }
+        row |= ptxas_stats(compiled.asm["ptx"], arch)
+        row["smem"] = compiled.metadata.shared
+        rows.append(row)
+    return rows
+
+
 COLUMNS = ("kernel", "arch", "dtype", "bias", "entropy", "tile", "warps", "stages", "regs",
            "spill_st", "spill_ld", "smem", "ptxas")  # fmt: skip
 
@@ -163,6 +197,7 @@ def main(argv=None) -> int:
         return 2
     archs = ("90", "80") if args.arch == "all" else (args.arch,)
     rows = [compile_case(c, a) for a in archs for c in cases(args.quick)]
+    rows += [r for a in archs for r in epilogue_rows(a, args.quick)]
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))
     for r in rows:
