@@ -1,0 +1,71 @@
+// Shared pieces of the C++ CPU backend of the fused linear log-prob: tile sizes, the
+// single-threaded fp32 GEMM on tiles, fp32 views of bf16/fp16 tiles.
+//
+// Determinism: every tile product is one single-threaded sgemm whose shape and operands depend
+// only on the tile's position, never on the thread that runs it, and every reduction across
+// tokens runs in a fixed order inside one task. Same inputs → bitwise the same outputs, whatever
+// the number of threads.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace fgrpo {
+
+using at::Tensor;
+using Vec = at::vec::Vectorized<float>;
+
+constexpr int64_t BLOCK_N = 256;      // tokens per block: one task of the token-parallel loops
+constexpr int64_t BLOCK_V = 256;      // vocab entries per logits tile (BLOCK_N x BLOCK_V fp32)
+constexpr int64_t CHUNK_N = 8192;     // tokens per backward sweep: bounds the dz buffer
+constexpr int64_t SUB_V = 64;         // dW task: SUB_V vocab rows ...
+constexpr int64_t SUB_H = 128;        // ... x SUB_H hidden columns
+
+inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Row-major C[m, n] = alpha * A[m, k] · op(B) + beta * C, single-threaded (see logprob.cpp).
+// op(B) = B^T with B [n, k] (nt), B [k, n] (nn); tn: C = alpha * A^T · B with A [k, m].
+void gemm_nt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+             const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+void gemm_nn(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+             const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+void gemm_tn(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+             const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
+// Forces the BLAS of the calling thread to one thread while alive (MKL; a no-op elsewhere).
+struct SerialBlas {
+  SerialBlas();
+  ~SerialBlas();
+  int previous;
+};
+
+// Rows [r0, r0 + rows) of a [*, cols] tensor as fp32: a pointer into `t` when it is fp32,
+// else converted into `scratch` (rows x cols floats).
+const float* rows_f32(const Tensor& t, int64_t r0, int64_t rows, float* scratch);
+
+// An fp32 copy of a (contiguous) tensor, scaled: the tensor itself when fp32 and scale == 1.
+Tensor as_f32(const Tensor& t, double scale = 1.0);
+
+// A 64-byte aligned fp32 buffer of n floats (uninitialised).
+Tensor scratch_f32(int64_t n);
+
+std::tuple<Tensor, Tensor, Tensor> logprob_fwd_cpu(
+    const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+    const std::optional<Tensor>& bias, double temperature, int64_t ignore_index,
+    bool return_entropy);
+
+std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
+    const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+    const std::optional<Tensor>& bias, const Tensor& lse, const std::optional<Tensor>& entropy,
+    const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_entropy,
+    double temperature, int64_t ignore_index, bool need_hidden, bool need_weight,
+    bool need_bias);
+
+}  // namespace fgrpo
