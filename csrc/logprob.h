@@ -13,6 +13,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -22,11 +25,12 @@ namespace fgrpo {
 using at::Tensor;
 using Vec = at::vec::Vectorized<float>;
 
-constexpr int64_t BLOCK_N = 256;      // tokens per block: one task of the token-parallel loops
-constexpr int64_t BLOCK_V = 256;      // vocab entries per logits tile (BLOCK_N x BLOCK_V fp32)
-constexpr int64_t CHUNK_N = 8192;     // tokens per backward sweep: bounds the dz buffer
-constexpr int64_t SUB_V = 64;         // dW task: SUB_V vocab rows ...
-constexpr int64_t SUB_H = 128;        // ... x SUB_H hidden columns
+constexpr int64_t BLOCK_N = 256;   // tokens per block: one task of the token-parallel loops
+constexpr int64_t BLOCK_V = 256;   // vocab entries per logits tile (BLOCK_N x BLOCK_V fp32)
+constexpr int64_t SUPER_V = 1024;  // vocab entries per backward sweep (dz buffer width)
+constexpr int64_t CHUNK_N = 4096;  // tokens per backward sweep (dz buffer height)
+constexpr int64_t SUB_V = 128;     // dW task: SUB_V vocab rows x SUB_H hidden columns (thinner
+constexpr int64_t SUB_H = 256;     // pieces run sgemm at ~60% of the rate on this K = CHUNK_N)
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -45,6 +49,24 @@ struct SerialBlas {
   ~SerialBlas();
   int previous;
 };
+
+inline int task_threads(int64_t tasks) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
+}
+
+// f(task, thread) for task in [0, tasks) on task_threads(tasks) OpenMP threads, dynamically
+// scheduled: which thread runs a task never changes what the task computes. f must not throw.
+template <typename F>
+void parallel_tasks(int64_t tasks, const F& f) {
+  const int threads = task_threads(tasks);
+#pragma omp parallel num_threads(threads)
+  {
+    SerialBlas serial;
+    const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) f(task, thread);
+  }
+}
 
 // Rows [r0, r0 + rows) of a [*, cols] tensor as fp32: a pointer into `t` when it is fp32,
 // else converted into `scratch` (rows x cols floats).

@@ -4,10 +4,11 @@
 //   dz = (g·(onehot_y − p) − g_H·p·(u + H)) / τ = p·(a + c·u) + onehot_y·g/τ,
 //        a = −(g + g_H·H)/τ, c = −g_H/τ      (a = c = 0 on ignored rows: the tile row is 0)
 //   dh = dz W,  dW = dz^T h,  db = Σ_n dz
-// Vocab tiles outer, token chunks inner. Phase 1, parallel over token blocks: dz of the chunk
-// into a [CHUNK_N, BLOCK_V] buffer and dh += dz W_tile. Phase 2, parallel over fixed
-// SUB_V x SUB_H pieces of the tile: dW_tile (+)= dz^T h_chunk and db over the chunk's rows in
-// order. Every piece has one owner and a fixed summation order: bitwise deterministic.
+// Sweeps of SUPER_V vocab entries (outer) x CHUNK_N tokens (inner). Phase 1, one task per token
+// block: dz of its BLOCK_N x BLOCK_V tiles into the [CHUNK_N, SUPER_V] dz buffer, then
+// dh += dz W_sweep. Phase 2, one task per fixed SUB_V x SUB_H piece of the sweep:
+// dW (+)= dz^T h_chunk and db += Σ_n dz in row order. Every output element has one owner and a
+// fixed summation order: bitwise deterministic whatever the thread count.
 #include "logprob.h"
 
 #include <ATen/ops/empty.h>
@@ -86,67 +87,65 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
   Tensor dh = need_h ? at::zeros({N, H}, at::kFloat) : at::empty({0}, hidden_in.options());
   Tensor dw = need_w ? at::empty({V, H}, weight.options()) : at::empty({0}, weight.options());
   Tensor db = need_b ? at::empty({V}, at::kFloat) : at::empty({0}, at::kFloat);
-  Tensor dz_buf = scratch_f32(std::min(N, CHUNK_N) * BLOCK_V);
-  Tensor w_buf = scratch_f32(convert_w ? BLOCK_V * H : 0);
-  Tensor dw_buf = scratch_f32(need_w && !direct_dw ? BLOCK_V * H : 0);
+  Tensor dz_buf = scratch_f32(std::min(N, CHUNK_N) * SUPER_V);
+  Tensor w_buf = scratch_f32(convert_w ? SUPER_V * H : 0);
+  Tensor dw_buf = scratch_f32(need_w && !direct_dw ? SUPER_V * H : 0);
   float* dzs = dz_buf.data_ptr<float>();
   float* dhs = need_h ? dh.data_ptr<float>() : nullptr;
   float* dbs = need_b ? db.data_ptr<float>() : nullptr;
   const int64_t h_pieces = need_w ? cdiv(H, SUB_H) : 1;
 
-  for (int64_t v0 = 0; v0 < V; v0 += BLOCK_V) {
-    const int64_t cols = std::min(BLOCK_V, V - v0);
-    const float* w = rows_f32(weight, v0, cols, w_buf.data_ptr<float>());
+  for (int64_t s0 = 0; s0 < V; s0 += SUPER_V) {
+    const int64_t scols = std::min(SUPER_V, V - s0);
+    const float* w = rows_f32(weight, s0, scols, w_buf.data_ptr<float>());
     float* dwt = !need_w ? nullptr
-                 : direct_dw ? dw.data_ptr<float>() + v0 * H
+                 : direct_dw ? dw.data_ptr<float>() + s0 * H
                              : dw_buf.data_ptr<float>();
     for (int64_t c0 = 0; c0 < N; c0 += CHUNK_N) {
       const int64_t crows = std::min(CHUNK_N, N - c0);
-      at::parallel_for(0, cdiv(crows, BLOCK_N), 1, [&](int64_t blk0, int64_t blk1) {
-        SerialBlas serial;
-        for (int64_t blk = blk0; blk < blk1; ++blk) {
-          const int64_t n0 = c0 + blk * BLOCK_N, rows = std::min(BLOCK_N, c0 + crows - n0);
-          float* dz = dzs + blk * BLOCK_N * BLOCK_V;
-          gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w, H, 0.f, dz, BLOCK_V);
+      // Phase 1: dz of every token block of the chunk, dh += dz W.
+      parallel_tasks(cdiv(crows, BLOCK_N), [&](int64_t blk, int) {
+        const int64_t n0 = c0 + blk * BLOCK_N, rows = std::min(BLOCK_N, c0 + crows - n0);
+        float* dz = dzs + blk * BLOCK_N * SUPER_V;
+        for (int64_t v0 = 0; v0 < scols; v0 += BLOCK_V) {
+          const int64_t cols = std::min(BLOCK_V, scols - v0);
+          gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w + v0 * H, H, 0.f, dz + v0, SUPER_V);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t n = n0 + r;
-            float* zr = dz + r * BLOCK_V;
+            float* zr = dz + r * SUPER_V + v0;
             if (ca[n] == 0.f && cc[n] == 0.f && cy[n] == 0.f) {
               std::memset(zr, 0, sizeof(float) * cols);
               continue;
             }
-            row_grad(zr, b == nullptr ? nullptr : b + v0, cols, lse[n], ca[n], cc[n]);
-            const int64_t local = y[n] - v0;
+            row_grad(zr, b == nullptr ? nullptr : b + s0 + v0, cols, lse[n], ca[n], cc[n]);
+            const int64_t local = y[n] - s0 - v0;
             if (local >= 0 && local < cols && y[n] != ignore_index) zr[local] += cy[n];
           }
-          if (need_h) gemm_nn(rows, H, cols, 1.f, dz, BLOCK_V, w, H, 1.f, dhs + n0 * H, H);
         }
+        if (need_h) gemm_nn(rows, H, scols, 1.f, dz, SUPER_V, w, H, 1.f, dhs + n0 * H, H);
       });
       if (!need_w && !need_b) continue;
-      const int64_t pieces = cdiv(cols, SUB_V) * h_pieces;
-      at::parallel_for(0, pieces, 1, [&](int64_t p0, int64_t p1) {
-        SerialBlas serial;
-        for (int64_t piece = p0; piece < p1; ++piece) {
-          const int64_t r0 = (piece / h_pieces) * SUB_V, k0 = (piece % h_pieces) * SUB_H;
-          const int64_t vr = std::min(SUB_V, cols - r0);
-          if (need_w) {
-            const int64_t hc = std::min(SUB_H, H - k0);
-            gemm_tn(vr, hc, crows, 1.f, dzs + r0, BLOCK_V, h + c0 * H + k0, H,
-                    c0 == 0 ? 0.f : 1.f, dwt + r0 * H + k0, H);
-          }
-          if (need_b && k0 == 0) {
-            float* acc = dbs + v0 + r0;
-            if (c0 == 0) std::memset(acc, 0, sizeof(float) * vr);
-            for (int64_t n = 0; n < crows; ++n) {
-              const float* dzr = dzs + n * BLOCK_V + r0;
-              for (int64_t j = 0; j < vr; ++j) acc[j] += dzr[j];
-            }
+      // Phase 2: dW (+)= dz^T h and db += Σ_n dz, one owner per SUB_V x SUB_H piece.
+      parallel_tasks(cdiv(scols, SUB_V) * h_pieces, [&](int64_t piece, int) {
+        const int64_t r0 = (piece / h_pieces) * SUB_V, k0 = (piece % h_pieces) * SUB_H;
+        const int64_t vr = std::min(SUB_V, scols - r0);
+        if (need_w) {
+          const int64_t hc = std::min(SUB_H, H - k0);
+          gemm_tn(vr, hc, crows, 1.f, dzs + r0, SUPER_V, h + c0 * H + k0, H,
+                  c0 == 0 ? 0.f : 1.f, dwt + r0 * H + k0, H);
+        }
+        if (need_b && k0 == 0) {
+          float* acc = dbs + s0 + r0;
+          if (c0 == 0) std::memset(acc, 0, sizeof(float) * vr);
+          for (int64_t n = 0; n < crows; ++n) {
+            const float* dzr = dzs + n * SUPER_V + r0;
+            for (int64_t j = 0; j < vr; ++j) acc[j] += dzr[j];
           }
         }
       });
     }
     if (need_w && !direct_dw) {
-      dw.narrow(0, v0, cols).copy_(dw_buf.narrow(0, 0, cols * H).view({cols, H}));
+      dw.narrow(0, s0, scols).copy_(dw_buf.narrow(0, 0, scols * H).view({scols, H}));
     }
   }
   if (need_h && !direct_dh) dh = dh.to(hidden_in.scalar_type());

@@ -3,7 +3,7 @@
 //   z = (h W^T + b) / τ, one BLOCK_N x BLOCK_V tile at a time (sgemm into a cache-resident tile)
 //   online over the vocab tiles of a row: m = running max, s = Σ e^(z−m), t = Σ e^(z−m)(z−m)
 //   lse = m + log s,  logp = z_y − lse,  entropy = log s − t/s   (0 where y == ignore_index)
-// Parallel over token blocks; each row is owned by one task, so no cross-thread reduction.
+// One task per token block; each row is owned by one task, so no cross-thread reduction.
 #include "logprob.h"
 
 #include <ATen/ops/empty.h>
@@ -78,37 +78,38 @@ std::tuple<Tensor, Tensor, Tensor> logprob_fwd_cpu(
   float* out_lse = lse.data_ptr<float>();
   float* out_ent = return_entropy ? entropy.data_ptr<float>() : nullptr;
 
-  at::parallel_for(0, cdiv(N, BLOCK_N), 1, [&](int64_t blk0, int64_t blk1) {
-    SerialBlas serial;
-    Tensor z_buf = scratch_f32(BLOCK_N * BLOCK_V);
-    Tensor w_buf = scratch_f32(convert_w ? BLOCK_V * H : 0);
-    float* z = z_buf.data_ptr<float>();
+  const int64_t blocks = cdiv(N, BLOCK_N);
+  const int threads = task_threads(blocks);
+  Tensor z_buf = scratch_f32(threads * BLOCK_N * BLOCK_V);
+  Tensor w_buf = scratch_f32(convert_w ? threads * BLOCK_V * H : 0);
+  float* z_all = z_buf.data_ptr<float>();
+  float* w_all = w_buf.data_ptr<float>();
+  parallel_tasks(blocks, [&](int64_t blk, int thread) {
+    float* z = z_all + thread * BLOCK_N * BLOCK_V;
+    float* w_scratch = convert_w ? w_all + thread * BLOCK_V * H : nullptr;
+    const int64_t n0 = blk * BLOCK_N, rows = std::min(BLOCK_N, N - n0);
     RowState state[BLOCK_N];
-    for (int64_t blk = blk0; blk < blk1; ++blk) {
-      const int64_t n0 = blk * BLOCK_N, rows = std::min(BLOCK_N, N - n0);
-      for (int64_t r = 0; r < rows; ++r) state[r] = RowState{};
-      for (int64_t v0 = 0; v0 < V; v0 += BLOCK_V) {
-        const int64_t cols = std::min(BLOCK_V, V - v0);
-        const float* w = rows_f32(weight, v0, cols, w_buf.data_ptr<float>());
-        gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w, H, 0.f, z, BLOCK_V);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* zr = z + r * BLOCK_V;
-          if (b != nullptr) {
-            for (int64_t j = 0; j < cols; ++j) zr[j] += b[v0 + j];
-          }
-          const int64_t local = y[n0 + r] - v0;
-          if (local >= 0 && local < cols) state[r].z_y = zr[local];
-          online_update(zr, cols, return_entropy, state[r]);
-        }
-      }
+    for (int64_t v0 = 0; v0 < V; v0 += BLOCK_V) {
+      const int64_t cols = std::min(BLOCK_V, V - v0);
+      const float* w = rows_f32(weight, v0, cols, w_scratch);
+      gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w, H, 0.f, z, BLOCK_V);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = n0 + r;
-        const bool valid = y[n] != ignore_index;
-        const float log_s = std::log(state[r].s);
-        out_lse[n] = state[r].m + log_s;
-        out_logp[n] = valid ? state[r].z_y - out_lse[n] : 0.f;
-        if (out_ent != nullptr) out_ent[n] = valid ? log_s - state[r].t / state[r].s : 0.f;
+        float* zr = z + r * BLOCK_V;
+        if (b != nullptr) {
+          for (int64_t j = 0; j < cols; ++j) zr[j] += b[v0 + j];
+        }
+        const int64_t local = y[n0 + r] - v0;
+        if (local >= 0 && local < cols) state[r].z_y = zr[local];
+        online_update(zr, cols, return_entropy, state[r]);
       }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = n0 + r;
+      const bool valid = y[n] != ignore_index;
+      const float log_s = std::log(state[r].s);
+      out_lse[n] = state[r].m + log_s;
+      out_logp[n] = valid ? state[r].z_y - out_lse[n] : 0.f;
+      if (out_ent != nullptr) out_ent[n] = valid ? log_s - state[r].t / state[r].s : 0.f;
     }
   });
   return {logp, lse, entropy};

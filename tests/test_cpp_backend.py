@@ -102,8 +102,9 @@ def test_matches_float64_reference(seed, N, H, V, dtypes, has_bias, tau, ignore_
         (1, 1, 2, torch.float32, False, 1.0),  # the smallest problem
         (1, 33, 257, torch.float32, True, 0.7),  # N = 1, V one past a tile
         (300, 17, 513, torch.float32, True, 1.3),  # two token blocks, three vocab tiles
-        (8192 + 37, 8, 257, torch.float32, True, 1.0),  # two backward token chunks
-        (257, 65, 300, torch.bfloat16, True, 2.0),
+        (40, 24, 2100, torch.float32, True, 0.8),  # three backward vocab sweeps
+        (2 * 4096 + 37, 8, 257, torch.float32, True, 1.0),  # three backward token chunks
+        (257, 65, 1100, torch.bfloat16, True, 2.0),
         (5, 130, 1000, torch.float16, False, 0.5),
     ],
 )
@@ -128,7 +129,7 @@ def test_fp64_goes_to_chunked():
 
 
 def _all_outputs(dtype, threads):
-    h, w, y, b, g = make_inputs(11, 700, 96, 777, dtype, dtype, True, -100, 0.1)
+    h, w, y, b, g = make_inputs(11, 700, 96, 1300, dtype, dtype, True, -100, 0.1)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
