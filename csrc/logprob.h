@@ -26,11 +26,11 @@ using at::Tensor;
 using Vec = at::vec::Vectorized<float>;
 
 constexpr int64_t BLOCK_N = 256;   // tokens per block: one task of the token-parallel loops
-constexpr int64_t BLOCK_V = 256;   // vocab entries per logits tile (BLOCK_N x BLOCK_V fp32)
+constexpr int64_t BLOCK_V = 1024;  // vocab entries per forward logits tile (1 MiB of fp32)
 constexpr int64_t SUPER_V = 1024;  // vocab entries per backward sweep (dz buffer width)
 constexpr int64_t CHUNK_N = 4096;  // tokens per backward sweep (dz buffer height)
-constexpr int64_t SUB_V = 128;     // dW task: SUB_V vocab rows x SUB_H hidden columns (thinner
-constexpr int64_t SUB_H = 256;     // pieces run sgemm at ~60% of the rate on this K = CHUNK_N)
+constexpr int64_t SUB_V = 256;     // dW task: SUB_V vocab rows x SUB_H hidden columns (wider
+constexpr int64_t SUB_H = 512;     // pieces run sgemm faster on this K = CHUNK_N: 81 vs 75 GFLOP/s)
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -5,7 +5,7 @@
 //        a = −(g + g_H·H)/τ, c = −g_H/τ      (a = c = 0 on ignored rows: the tile row is 0)
 //   dh = dz W,  dW = dz^T h,  db = Σ_n dz
 // Sweeps of SUPER_V vocab entries (outer) x CHUNK_N tokens (inner). Phase 1, one task per token
-// block: dz of its BLOCK_N x BLOCK_V tiles into the [CHUNK_N, SUPER_V] dz buffer, then
+// block: dz of its BLOCK_N x SUPER_V tile into the [CHUNK_N, SUPER_V] dz buffer, then
 // dh += dz W_sweep. Phase 2, one task per fixed SUB_V x SUB_H piece of the sweep:
 // dW (+)= dz^T h_chunk and db += Σ_n dz in row order. Every output element has one owner and a
 // fixed summation order: bitwise deterministic whatever the thread count.
@@ -107,20 +107,18 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
       parallel_tasks(cdiv(crows, BLOCK_N), [&](int64_t blk, int) {
         const int64_t n0 = c0 + blk * BLOCK_N, rows = std::min(BLOCK_N, c0 + crows - n0);
         float* dz = dzs + blk * BLOCK_N * SUPER_V;
-        for (int64_t v0 = 0; v0 < scols; v0 += BLOCK_V) {
-          const int64_t cols = std::min(BLOCK_V, scols - v0);
-          gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w + v0 * H, H, 0.f, dz + v0, SUPER_V);
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t n = n0 + r;
-            float* zr = dz + r * SUPER_V + v0;
-            if (ca[n] == 0.f && cc[n] == 0.f && cy[n] == 0.f) {
-              std::memset(zr, 0, sizeof(float) * cols);
-              continue;
-            }
-            row_grad(zr, b == nullptr ? nullptr : b + s0 + v0, cols, lse[n], ca[n], cc[n]);
-            const int64_t local = y[n] - s0 - v0;
-            if (local >= 0 && local < cols && y[n] != ignore_index) zr[local] += cy[n];
+        // NB: one sgemm over the whole sweep width: wide tiles run sgemm ~15% faster here.
+        gemm_nt(rows, scols, H, inv_t, h + n0 * H, H, w, H, 0.f, dz, SUPER_V);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t n = n0 + r;
+          float* zr = dz + r * SUPER_V;
+          if (ca[n] == 0.f && cc[n] == 0.f && cy[n] == 0.f) {
+            std::memset(zr, 0, sizeof(float) * scols);
+            continue;
           }
+          row_grad(zr, b == nullptr ? nullptr : b + s0, scols, lse[n], ca[n], cc[n]);
+          const int64_t local = y[n] - s0;
+          if (local >= 0 && local < scols && y[n] != ignore_index) zr[local] += cy[n];
         }
         if (need_h) gemm_nn(rows, H, scols, 1.f, dz, SUPER_V, w, H, 1.f, dhs + n0 * H, H);
       });
