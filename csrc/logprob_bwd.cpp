@@ -1,0 +1,154 @@
+// Backward of the fused linear log-prob on CPU: gradients of Σ g·logp + Σ g_H·entropy.
+//
+//   u = z − lse, p = e^u (z recomputed per tile from the saved lse)
+//   dz = (g·(onehot_y − p) − g_H·p·(u + H)) / τ = p·(a + c·u) + onehot_y·g/τ,
+//        a = −(g + g_H·H)/τ, c = −g_H/τ      (a = c = 0 on ignored rows: the tile row is 0)
+//   dh = dz W,  dW = dz^T h,  db = Σ_n dz
+// Sweeps of SUPER_V vocab entries (outer) x CHUNK_N tokens (inner). Phase 1, one task per token
+// block: dz of its BLOCK_N x SUPER_V tile into the [CHUNK_N, SUPER_V] dz buffer, then
+// dh += dz W_sweep. Phase 2, one task per fixed SUB_V x SUB_H piece of the sweep:
+// dW (+)= dz^T h_chunk and db += Σ_n dz in row order. Every output element has one owner and a
+// fixed summation order: bitwise deterministic whatever the thread count.
+#include "logprob.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace fgrpo {
+namespace {
+
+// dz of one tile row in place: z (tile row, bias not yet added) → dz.
+inline void row_grad(float* zr, const float* b, int64_t cols, float lse, float a, float c) {
+  constexpr int64_t W = Vec::size();
+  const int64_t vec_end = cols - cols % W;
+  const Vec vl(lse), va(a), vc(c);
+  for (int64_t j = 0; j < vec_end; j += W) {
+    Vec z = Vec::loadu(zr + j);
+    if (b != nullptr) z = z + Vec::loadu(b + j);
+    const Vec u = z - vl;
+    (u.exp() * at::vec::fmadd(vc, u, va)).store(zr + j);
+  }
+  for (int64_t j = vec_end; j < cols; ++j) {
+    const float u = zr[j] + (b != nullptr ? b[j] : 0.f) - lse;
+    zr[j] = std::exp(u) * (a + c * u);
+  }
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
+    const Tensor& hidden_in, const Tensor& weight_in, const Tensor& targets_in,
+    const std::optional<Tensor>& bias, const Tensor& lse_in, const std::optional<Tensor>& entropy,
+    const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_entropy,
+    double temperature, int64_t ignore_index, bool need_h, bool need_w, bool need_b) {
+  need_b = need_b && bias.has_value();
+  const Tensor hidden = as_f32(hidden_in);
+  const Tensor weight = weight_in.contiguous();
+  const Tensor targets = targets_in.contiguous();
+  const Tensor lse_t = as_f32(lse_in);
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  if (N == 0) {
+    return {need_h ? at::zeros({N, H}, hidden_in.options()) : at::empty({0}, hidden_in.options()),
+            need_w ? at::zeros({V, H}, weight.options()) : at::empty({0}, weight.options()),
+            need_b ? at::zeros({V}, bias->options()) : at::empty({0}, at::kFloat)};
+  }
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  const Tensor bias_t = bias.has_value() ? as_f32(*bias, inv_t) : Tensor();
+  const float* b = bias_t.defined() ? bias_t.const_data_ptr<float>() : nullptr;
+  const float* h = hidden.const_data_ptr<float>();
+  const int64_t* y = targets.const_data_ptr<int64_t>();
+  const float* lse = lse_t.const_data_ptr<float>();
+
+  // Per-row coefficients a, c of dz (0 on ignored rows), and g/τ for the target column.
+  const bool with_ent = grad_entropy.has_value() && entropy.has_value();
+  const Tensor g_t = grad_logp.has_value() ? as_f32(*grad_logp) : Tensor();
+  const Tensor gh_t = with_ent ? as_f32(*grad_entropy) : Tensor();
+  const Tensor ent_t = with_ent ? as_f32(*entropy) : Tensor();
+  Tensor coef = at::empty({3, N}, at::kFloat);
+  float* ca = coef.data_ptr<float>();
+  float* cc = ca + N;
+  float* cy = ca + 2 * N;
+  for (int64_t n = 0; n < N; ++n) {
+    const bool valid = y[n] != ignore_index;
+    const float g = valid && g_t.defined() ? g_t.const_data_ptr<float>()[n] : 0.f;
+    const float gh = valid && with_ent ? gh_t.const_data_ptr<float>()[n] : 0.f;
+    const float ent = valid && with_ent ? ent_t.const_data_ptr<float>()[n] : 0.f;
+    ca[n] = -(g + gh * ent) * inv_t;
+    cc[n] = -gh * inv_t;
+    cy[n] = g * inv_t;
+  }
+
+  const bool convert_w = weight.scalar_type() != at::kFloat;
+  const bool direct_dh = hidden_in.scalar_type() == at::kFloat;
+  const bool direct_dw = weight.scalar_type() == at::kFloat;
+  Tensor dh = need_h ? at::zeros({N, H}, at::kFloat) : at::empty({0}, hidden_in.options());
+  Tensor dw = need_w ? at::empty({V, H}, weight.options()) : at::empty({0}, weight.options());
+  Tensor db = need_b ? at::empty({V}, at::kFloat) : at::empty({0}, at::kFloat);
+  Tensor dz_buf = scratch_f32(std::min(N, CHUNK_N) * SUPER_V);
+  Tensor w_buf = scratch_f32(convert_w ? SUPER_V * H : 0);
+  Tensor dw_buf = scratch_f32(need_w && !direct_dw ? SUPER_V * H : 0);
+  float* dzs = dz_buf.data_ptr<float>();
+  float* dhs = need_h ? dh.data_ptr<float>() : nullptr;
+  float* dbs = need_b ? db.data_ptr<float>() : nullptr;
+  const int64_t h_pieces = need_w ? cdiv(H, SUB_H) : 1;
+
+  for (int64_t s0 = 0; s0 < V; s0 += SUPER_V) {
+    const int64_t scols = std::min(SUPER_V, V - s0);
+    const float* w = rows_f32(weight, s0, scols, w_buf.data_ptr<float>());
+    float* dwt = !need_w ? nullptr
+                 : direct_dw ? dw.data_ptr<float>() + s0 * H
+                             : dw_buf.data_ptr<float>();
+    for (int64_t c0 = 0; c0 < N; c0 += CHUNK_N) {
+      const int64_t crows = std::min(CHUNK_N, N - c0);
+      // Phase 1: dz of every token block of the chunk, dh += dz W.
+      parallel_tasks(cdiv(crows, BLOCK_N), [&](int64_t blk, int) {
+        const int64_t n0 = c0 + blk * BLOCK_N, rows = std::min(BLOCK_N, c0 + crows - n0);
+        float* dz = dzs + blk * BLOCK_N * SUPER_V;
+        // NB: one sgemm over the whole sweep width: wide tiles run sgemm ~15% faster here.
+        gemm_nt(rows, scols, H, inv_t, h + n0 * H, H, w, H, 0.f, dz, SUPER_V);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t n = n0 + r;
+          float* zr = dz + r * SUPER_V;
+          if (ca[n] == 0.f && cc[n] == 0.f && cy[n] == 0.f) {
+            std::memset(zr, 0, sizeof(float) * scols);
+            continue;
+          }
+          row_grad(zr, b == nullptr ? nullptr : b + s0, scols, lse[n], ca[n], cc[n]);
+          const int64_t local = y[n] - s0;
+          if (local >= 0 && local < scols && y[n] != ignore_index) zr[local] += cy[n];
+        }
+        if (need_h) gemm_nn(rows, H, scols, 1.f, dz, SUPER_V, w, H, 1.f, dhs + n0 * H, H);
+      });
+      if (!need_w && !need_b) continue;
+      // Phase 2: dW (+)= dz^T h and db += Σ_n dz, one owner per SUB_V x SUB_H piece.
+      parallel_tasks(cdiv(scols, SUB_V) * h_pieces, [&](int64_t piece, int) {
+        const int64_t r0 = (piece / h_pieces) * SUB_V, k0 = (piece % h_pieces) * SUB_H;
+        const int64_t vr = std::min(SUB_V, scols - r0);
+        if (need_w) {
+          const int64_t hc = std::min(SUB_H, H - k0);
+          gemm_tn(vr, hc, crows, 1.f, dzs + r0, SUPER_V, h + c0 * H + k0, H,
+                  c0 == 0 ? 0.f : 1.f, dwt + r0 * H + k0, H);
+        }
+        if (need_b && k0 == 0) {
+          float* acc = dbs + s0 + r0;
+          if (c0 == 0) std::memset(acc, 0, sizeof(float) * vr);
+          for (int64_t n = 0; n < crows; ++n) {
+            const float* dzr = dzs + n * SUPER_V + r0;
+            for (int64_t j = 0; j < vr; ++j) acc[j] += dzr[j];
+          }
+        }
+      });
+    }
+    if (need_w && !direct_dw) {
+      dw.narrow(0, s0, scols).copy_(dw_buf.narrow(0, 0, scols * H).view({scols, H}));
+    }
+  }
+  if (need_h && !direct_dh) dh = dh.to(hidden_in.scalar_type());
+  if (need_b) db = db.to(bias->scalar_type());
+  return {dh, dw, db};
+}
+
+}  // namespace fgrpo

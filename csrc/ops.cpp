@@ -1,0 +1,79 @@
+// The custom ops torch.ops.fgrpo.logprob_fwd / logprob_bwd (CPU kernels; the fake kernels that
+// torch.compile traces live in fgrpo_kernels/cpu/cpp.py). Checks here guard direct callers;
+// the public function validates its arguments before reaching them.
+#include <torch/library.h>
+
+#include "logprob.h"
+
+namespace fgrpo {
+namespace {
+
+bool float_family(const Tensor& t) {
+  const auto s = t.scalar_type();
+  return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
+}
+
+void check_inputs(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                  const std::optional<Tensor>& bias, double temperature) {
+  TORCH_CHECK(hidden.dim() == 2, "hidden: expected shape [N, H]; got ", hidden.sizes());
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1),
+              "weight: expected shape [V, ", hidden.size(1), "]; got ", weight.sizes());
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0),
+              "targets: expected shape [", hidden.size(0), "]; got ", targets.sizes());
+  TORCH_CHECK(targets.scalar_type() == at::kLong, "targets: expected int64; got ",
+              targets.scalar_type());
+  TORCH_CHECK(float_family(hidden) && float_family(weight),
+              "hidden, weight: expected fp32, bf16 or fp16; got ", hidden.scalar_type(), ", ",
+              weight.scalar_type());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0),
+                "bias: expected shape [", weight.size(0), "]; got ", bias->sizes());
+    TORCH_CHECK(bias->is_floating_point(), "bias: expected a floating tensor");
+  }
+  TORCH_CHECK(temperature > 0, "temperature: expected > 0; got ", temperature);
+}
+
+std::tuple<Tensor, Tensor, Tensor> fwd(const Tensor& hidden, const Tensor& weight,
+                                       const Tensor& targets, const std::optional<Tensor>& bias,
+                                       double temperature, int64_t ignore_index,
+                                       bool return_entropy) {
+  check_inputs(hidden, weight, targets, bias, temperature);
+  return logprob_fwd_cpu(hidden, weight, targets, bias, temperature, ignore_index,
+                         return_entropy);
+}
+
+std::tuple<Tensor, Tensor, Tensor> bwd(
+    const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+    const std::optional<Tensor>& bias, const Tensor& lse, const std::optional<Tensor>& entropy,
+    const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_entropy,
+    double temperature, int64_t ignore_index, bool need_hidden, bool need_weight,
+    bool need_bias) {
+  check_inputs(hidden, weight, targets, bias, temperature);
+  const int64_t N = hidden.size(0);
+  TORCH_CHECK(lse.numel() == N, "lse: expected ", N, " values; got ", lse.numel());
+  for (const auto* t : {&entropy, &grad_logp, &grad_entropy}) {
+    TORCH_CHECK(!t->has_value() || (*t)->numel() == N,
+                "entropy, grad_logp, grad_entropy: expected ", N, " values each");
+  }
+  return logprob_bwd_cpu(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
+                         temperature, ignore_index, need_hidden, need_weight, need_bias);
+}
+
+}  // namespace
+}  // namespace fgrpo
+
+TORCH_LIBRARY(fgrpo, m) {
+  m.def(
+      "logprob_fwd(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, "
+      "float temperature, int ignore_index, bool return_entropy) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "logprob_bwd(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor lse, "
+      "Tensor? entropy, Tensor? grad_logp, Tensor? grad_entropy, float temperature, "
+      "int ignore_index, bool need_hidden, bool need_weight, bool need_bias) "
+      "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fgrpo, CPU, m) {
+  m.impl("logprob_fwd", &fgrpo::fwd);
+  m.impl("logprob_bwd", &fgrpo::bwd);
+}

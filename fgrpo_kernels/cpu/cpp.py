@@ -1,0 +1,138 @@
+"""C++ CPU backend of the fused linear log-prob: the ATen + OpenMP kernels of `csrc/`, registered
+as the custom ops `torch.ops.fgrpo.logprob_fwd` / `torch.ops.fgrpo.logprob_bwd`.
+
+Built lazily on first use with `torch.utils.cpp_extension` (ninja) into the torch extensions
+cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and reused by later runs;
+the first build prints one line. Same signatures as `chunked.py`; fp64 inputs go to the chunked
+path (the kernels multiply in fp32). Fake kernels are registered here so `torch.compile` can
+trace the ops.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ..options import LogProbOptions
+from . import chunked
+
+SOURCES = ("ops.cpp", "logprob_fwd.cpp", "logprob_bwd.cpp", "tiles.cpp")
+HEADERS = ("logprob.h",)
+_state: dict[str, Exception | None] = {}
+
+
+def csrc_dir() -> Path:
+    """The C++ sources: `csrc/` of the repository checkout that holds this package."""
+    return Path(__file__).resolve().parents[2] / "csrc"
+
+
+def _isa() -> tuple[str, list[str]]:
+    """Vector ISA of this host as (tag, flags); the tag keeps a shared cache host-correct."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return "avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2",
+                        "-DCPU_CAPABILITY_AVX2"]
+    return "default", ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+def build_directory(tag: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = get_default_build_root()
+    version = torch.__version__.replace(".", "_").replace("+", "_")
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return Path(root) / f"fgrpo_cpu_{tag}_{py}_torch{version}"
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension
+
+    tag, isa_flags = _isa()
+    name = f"fgrpo_cpu_{tag}"
+    src = csrc_dir()
+    if not (src / SOURCES[0]).is_file():
+        raise FileNotFoundError(f"C++ sources not found in {src}")
+    build_dir = build_directory(tag)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"{name}.so"
+    inputs = [src / f for f in SOURCES + HEADERS]
+    if not library.exists() or max(p.stat().st_mtime for p in inputs) > library.stat().st_mtime:
+        print(f"fgrpo_kernels: building the C++ CPU backend in {build_dir} (once, ~1 min)",
+              file=sys.stderr, flush=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(src / f) for f in SOURCES],
+        extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", *isa_flags],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("fgrpo::logprob_fwd")
+    def _(hidden, weight, targets, bias, temperature, ignore_index, return_entropy):
+        n = hidden.shape[0]
+        out = [hidden.new_empty(n, dtype=torch.float32) for _ in range(2)]
+        return (*out, hidden.new_empty(n if return_entropy else 0, dtype=torch.float32))
+
+    @torch.library.register_fake("fgrpo::logprob_bwd")
+    def _(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy, temperature,
+          ignore_index, need_hidden, need_weight, need_bias):
+        need_bias = need_bias and bias is not None
+        return (
+            torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            torch.empty_like(bias) if need_bias else hidden.new_empty(0, dtype=torch.float32),
+        )
+
+
+@torch.compiler.assume_constant_result  # NB: torch.compile runs it eagerly, never traces the build
+def available() -> bool:
+    """Build (first use) and load the ops, once per process; whether that worked."""
+    if "error" not in _state:
+        try:
+            _build_and_load()
+            _state["error"] = None
+        except Exception as error:  # noqa: BLE001 - any build failure means: use the fallback
+            _state["error"] = error
+    return _state["error"] is None
+
+
+def build_error() -> Exception | None:
+    """Why the build failed (None if it worked or was not tried)."""
+    return _state.get("error")
+
+
+def _wide(*tensors) -> bool:
+    return any(t is not None and t.dtype == torch.float64 for t in tensors)
+
+
+def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool):
+    """hidden [N, H], weight [V, H], targets [N] → (logp [N], lse [N], entropy [N] | None), fp32."""
+    if _wide(hidden, weight):
+        return chunked.logprob_fwd(hidden, weight, targets, bias, opts, return_entropy)
+    logp, lse, entropy = torch.ops.fgrpo.logprob_fwd(
+        hidden, weight, targets, bias, opts.temperature, opts.ignore_index, return_entropy
+    )
+    return logp, lse, entropy if return_entropy else None
+
+
+def logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
+                opts: LogProbOptions, needs: tuple[bool, bool, bool]):
+    """Gradients (dhidden, dweight, dbias) of Σ g·logp + Σ g_H·entropy; None where not needed."""
+    if _wide(hidden, weight):
+        return chunked.logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp,
+                                   grad_entropy, opts, needs)
+    need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
+    dh, dw, db = torch.ops.fgrpo.logprob_bwd(
+        hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy, opts.temperature,
+        opts.ignore_index, need_h, need_w, need_b
+    )
+    return dh if need_h else None, dw if need_w else None, db if need_b else None

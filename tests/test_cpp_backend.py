@@ -1,0 +1,253 @@
+"""The C++ CPU backend (csrc/, torch.ops.fgrpo.*): equality with the float64 reference on awkward
+shapes, bitwise determinism across thread counts, FGRPO_CPU_BACKEND and the chunked fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fgrpo_kernels
+from fgrpo_kernels import cpu, fused_linear_logprobs, reference
+from fgrpo_kernels.autograd import LinearLogProbFunction
+from fgrpo_kernels.cpu import chunked, cpp
+from fgrpo_kernels.options import LogProbOptions
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUTS = ("logp", "entropy", "dhidden", "dweight", "dbias")
+
+
+@pytest.fixture(autouse=True)
+def cpp_backend(monkeypatch):
+    monkeypatch.setenv("FGRPO_BACKEND", "cpu")
+    monkeypatch.setenv("FGRPO_CPU_BACKEND", "cpp")
+
+
+def check(name, got, want, tol):
+    if want is None:
+        assert got is None, f"{name}: expected no gradient"
+        return
+    assert got is not None and got.shape == want.shape, f"{name}: shape {got} vs {want.shape}"
+    got, want = got.double(), want.double()
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+def make_inputs(seed, N, H, V, dtype, w_dtype, has_bias, ignore_index, frac_ignored):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=gen).to(dtype)
+    weight = (torch.randn(V, H, generator=gen) * 2 / H**0.5).to(w_dtype)
+    bias = torch.randn(V, generator=gen).to(w_dtype) if has_bias else None
+    targets = torch.randint(0, V, (N,), generator=gen)
+    targets[torch.rand(N, generator=gen) < frac_ignored] = ignore_index
+    upstream = torch.randn(2, N, generator=gen)
+    return hidden, weight, targets, bias, upstream
+
+
+def run(impl, hidden, weight, targets, bias, upstream, tau, ignore_index, *, up=None,
+        frozen=()):
+    """(logp, entropy, dhidden, dweight, dbias) of Σ g·logp + Σ g_H·entropy."""
+    leaves = [None if t is None else t.detach().to(up or t.dtype) for t in (hidden, weight, bias)]
+    for name, t in zip(("hidden", "weight", "bias"), leaves, strict=True):
+        if t is not None and name not in frozen:
+            t.requires_grad_()
+    h, w, b = leaves
+    logp, ent = impl(h, w, targets, b, tau, ignore_index, True)
+    (upstream[0].to(logp.dtype) * logp + upstream[1].to(ent.dtype) * ent).sum().backward()
+    return logp, ent, *(None if t is None else t.grad for t in leaves)
+
+
+def compare(hidden, weight, targets, bias, upstream, tau, ignore_index, frozen=()):
+    got = run(fused_linear_logprobs, hidden, weight, targets, bias, upstream, tau, ignore_index,
+              frozen=frozen)
+    want = run(reference.logprobs, hidden, weight, targets, bias, upstream, tau, ignore_index,
+               up=torch.float64, frozen=frozen)
+    tol = max(TOL[t.dtype] for t in (hidden, weight, bias) if t is not None)
+    for name, g, w in zip(OUTPUTS, got, want, strict=True):
+        check(name, g, w, tol)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
+    for g, t in zip(got[2:], (hidden, weight, bias), strict=True):
+        assert g is None or g.dtype == t.dtype, f"gradient dtype {g.dtype} != input {t.dtype}"
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    N=st.integers(1, 40),
+    H=st.integers(1, 70),
+    V=st.integers(2, 400),
+    dtypes=st.sampled_from([(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float16,) * 2,
+                            (torch.bfloat16, torch.float32), (torch.float32, torch.float16)]),
+    has_bias=st.booleans(),
+    tau=st.sampled_from([1.0, 0.6, 1.7]),
+    ignore_index=st.sampled_from([-100, 0]),
+    frac_ignored=st.sampled_from([0.0, 0.3, 1.0]),
+)
+def test_matches_float64_reference(seed, N, H, V, dtypes, has_bias, tau, ignore_index,
+                                   frac_ignored):
+    inputs = make_inputs(seed, N, H, V, *dtypes, has_bias, ignore_index, frac_ignored)
+    compare(*inputs, tau, ignore_index)
+
+
+@pytest.mark.parametrize(
+    "N, H, V, dtype, has_bias, tau",
+    [
+        (1, 1, 2, torch.float32, False, 1.0),  # the smallest problem
+        (1, 33, 257, torch.float32, True, 0.7),  # N = 1, V one past a tile
+        (300, 17, 513, torch.float32, True, 1.3),  # two token blocks, three vocab tiles
+        (40, 24, 2100, torch.float32, True, 0.8),  # three backward vocab sweeps
+        (2 * 4096 + 37, 8, 257, torch.float32, True, 1.0),  # three backward token chunks
+        (257, 65, 1100, torch.bfloat16, True, 2.0),
+        (5, 130, 1000, torch.float16, False, 0.5),
+    ],
+)
+def test_named_shapes(N, H, V, dtype, has_bias, tau):
+    compare(*make_inputs(N + V, N, H, V, dtype, dtype, has_bias, -100, 0.2), tau, -100)
+
+
+@pytest.mark.parametrize("frozen", [("weight",), ("hidden",), ("hidden", "bias")])
+def test_frozen_inputs(frozen):
+    compare(*make_inputs(7, 29, 19, 333, torch.float32, torch.float32, True, -100, 0.2), 1.1,
+            -100, frozen=frozen)
+
+
+def test_fp64_goes_to_chunked():
+    h, w, y, b, g = make_inputs(3, 13, 9, 77, torch.float64, torch.float64, True, -100, 0.2)
+    opts = LogProbOptions(0.9, -100)
+    got = cpp.logprob_fwd(h, w, y, b, opts, True)
+    want = chunked.logprob_fwd(h, w, y, b, opts, True)
+    same = all(torch.equal(a, e) for a, e in zip(got, want, strict=True))
+    assert same, "fp64 forward differs from chunked"
+    assert got[0].dtype == torch.float64
+
+
+def _all_outputs(dtype, threads):
+    h, w, y, b, g = make_inputs(11, 700, 96, 1300, dtype, dtype, True, -100, 0.1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run(fused_linear_logprobs, h, w, y, b, g, 0.8, -100)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitwise_deterministic_across_thread_counts(dtype):
+    one = _all_outputs(dtype, 1)
+    for threads in (2, 3):
+        other = _all_outputs(dtype, threads)
+        for name, a, b in zip(OUTPUTS, one, other, strict=True):
+            assert torch.equal(a, b), f"{name}: 1 vs {threads} threads differ"
+
+
+def test_ops_trace_under_torch_compile():
+    torch._dynamo.reset()
+    h, w, y, b, g = make_inputs(5, 21, 16, 50, torch.float32, torch.float32, True, -100, 0.2)
+    opts = LogProbOptions(0.9, -100)
+
+    def loss(h, w, b):
+        logp, ent = LinearLogProbFunction.apply(h, w, y, b, opts, True)
+        return (g[0] * logp + g[1] * ent).sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, fullgraph=True, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in (h, w, b)]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for name, a, e in zip(("dhidden", "dweight", "dbias"), *grads, strict=True):
+        assert torch.equal(a, e), f"{name}: compiled differs from eager"
+
+
+def test_fake_kernels_match_real_ones():
+    h, w, y, b, g = make_inputs(2, 9, 8, 40, torch.bfloat16, torch.bfloat16, True, -100, 0.2)
+    torch.library.opcheck(torch.ops.fgrpo.logprob_fwd.default, (h, w, y, b, 0.9, -100, True))
+    logp, lse, ent = torch.ops.fgrpo.logprob_fwd(h, w, y, b, 0.9, -100, True)
+    for args in [(b, lse, ent, g[0], g[1], 0.9, -100, True, True, True),
+                 (None, lse, None, g[0], None, 1.0, -100, False, True, False)]:
+        torch.library.opcheck(torch.ops.fgrpo.logprob_bwd.default, (h, w, y, *args))
+
+
+# ----------------------------------------------------------------------------- backend choice
+
+
+def test_cpu_backend_names(monkeypatch):
+    assert fgrpo_kernels.cpu_backend() == "cpp" and cpu.backend_module() is cpp
+    monkeypatch.setenv("FGRPO_CPU_BACKEND", "torch")
+    assert fgrpo_kernels.cpu_backend() == "torch" and cpu.backend_module() is chunked
+    monkeypatch.setenv("FGRPO_CPU_BACKEND", "fast")
+    with pytest.raises(ValueError, match="FGRPO_CPU_BACKEND"):
+        fgrpo_kernels.cpu_backend()
+
+
+@pytest.fixture
+def failing_build(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("simulated: no C++ compiler")
+
+    monkeypatch.setattr(cpp, "_state", {})
+    monkeypatch.setattr(cpp, "_build_and_load", no_compiler)
+    monkeypatch.setattr(cpu, "_fallback_warned", False)
+
+
+def test_failed_build_falls_back_with_one_warning(monkeypatch, failing_build):
+    monkeypatch.delenv("FGRPO_CPU_BACKEND")
+    h, w, y, b, g = make_inputs(1, 12, 10, 50, torch.float32, torch.float32, True, -100, 0.2)
+    with pytest.warns(RuntimeWarning, match="chunked-PyTorch") as record:
+        assert fgrpo_kernels.cpu_backend() == "torch"
+        got = run(fused_linear_logprobs, h, w, y, b, g, 1.0, -100)
+    assert len([r for r in record if "C++ CPU backend" in str(r.message)]) == 1
+    monkeypatch.setenv("FGRPO_CPU_BACKEND", "torch")
+    want = run(fused_linear_logprobs, h, w, y, b, g, 1.0, -100)
+    same = all(torch.equal(a, e) for a, e in zip(got, want, strict=True))
+    assert same, "the fallback is not the chunked path"
+
+
+def test_forced_cpp_without_build_is_an_error(failing_build):
+    with pytest.raises(RuntimeError, match="FGRPO_CPU_BACKEND=cpp.*no C\\+\\+ compiler"):
+        fgrpo_kernels.cpu_backend()
+
+
+def test_forced_torch_never_builds(monkeypatch, failing_build):
+    monkeypatch.setenv("FGRPO_CPU_BACKEND", "torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fgrpo_kernels.cpu_backend() == "torch"
+    assert cpp.build_error() is None and "error" not in cpp._state
+
+
+def test_first_build_prints_one_line(monkeypatch, tmp_path, capsys):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: None)
+    monkeypatch.setattr(cpp, "_register_fakes", lambda: None)
+    cpp._build_and_load()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fgrpo_kernels: building"), lines
+    library = cpp.build_directory(cpp._isa()[0]) / f"fgrpo_cpu_{cpp._isa()[0]}.so"
+    library.touch()
+    cpp._build_and_load()
+    assert capsys.readouterr().err == "", "a cached build printed"
+
+
+def test_real_build_failure_in_a_fresh_process(tmp_path):
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"),
+               TORCH_EXTENSIONS_DIR=str(tmp_path), FGRPO_BACKEND="cpu", PYTHONPATH=str(ROOT))
+    env.pop("FGRPO_CPU_BACKEND", None)
+    code = ("import warnings, torch, fgrpo_kernels as f\n"
+            "warnings.simplefilter('always')\n"
+            "h, w, y = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])\n"
+            "f.fused_linear_logprobs(h, w, y); f.fused_linear_logprobs(h, w, y)\n"
+            "print(f.cpu_backend())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch", out.stdout
+    assert out.stderr.count("could not be built") == 1, out.stderr
