@@ -25,7 +25,16 @@ _state: dict[str, Exception | None] = {}
 
 
 def csrc_dir() -> Path:
-    """The C++ sources: `csrc/` of the repository checkout that holds this package."""
+    """The C++ sources: `csrc/`, installed as package data `fgrpo_kernels._csrc` (a wheel or
+    an editable install), else the repository checkout that holds this package."""
+    try:
+        from importlib.resources import files
+
+        installed = Path(str(files("fgrpo_kernels._csrc")))
+        if (installed / SOURCES[0]).is_file():
+            return installed
+    except (ModuleNotFoundError, TypeError):
+        pass
     return Path(__file__).resolve().parents[2] / "csrc"
 
 
