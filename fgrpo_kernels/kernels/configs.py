@@ -2,9 +2,9 @@
 
 Keys are the operand precision of the tile product: "lowp" (bf16/fp16 operands, tensor cores),
 "lowp_fp32w" (the same with an fp32 weight converted in-kernel, as under autocast), "tf32" (fp32
-inputs with `fast_fp32`) and "fp32" (fp32 inputs, full-precision FMA products). Each entry was
-chosen so that ptxas reports no spills on sm_90a and sm_80 (bench/compile_report.py); none is
-tuned on a GPU yet.
+inputs with `fast_fp32`) and "fp32" (fp32 inputs, full-precision FMA products). Entries were
+picked from ptxas -v (bench/compile_report.py): no spills on sm_90a; on sm_80 only the fp32
+backward without entropy spills 8 bytes. None is tuned on a GPU yet.
 Under TRITON_INTERPRET=1 every kernel uses `INTERPRET`, small enough for the CPU. Tests force
 smaller tiles, splits and waves with `forced(...)` so that several of each are exercised.
 """

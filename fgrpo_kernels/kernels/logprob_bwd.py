@@ -144,7 +144,8 @@ def logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_ent
     check_dtypes(hidden, weight, bias)
     if not (need_h or need_w or need_b):
         return None, None, None
-    hidden, weight = hidden.contiguous(), weight.contiguous()
+    hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+    bias = None if bias is None else bias.contiguous()
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device

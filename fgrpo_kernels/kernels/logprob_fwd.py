@@ -98,7 +98,8 @@ def combine_partials(part: torch.Tensor, return_entropy: bool):
 def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool):
     """hidden [N, H], weight [V, H], targets [N] → (logp [N], lse [N], entropy [N] | None), fp32."""
     check_dtypes(hidden, weight, bias)
-    hidden, weight = hidden.contiguous(), weight.contiguous()
+    hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+    bias = None if bias is None else bias.contiguous()
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
