@@ -94,8 +94,20 @@ def measure_memory(impl: str, N: int, H: int, V: int, dtype) -> dict:
 
 
 def memory_in_subprocess(impl: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--memory", impl, "--N", str(args.N), "--H", str(args.H),
-           "--V", str(args.V), "--dtype", args.dtype]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--memory",
+        impl,
+        "--N",
+        str(args.N),
+        "--H",
+        str(args.H),
+        "--V",
+        str(args.V),
+        "--dtype",
+        args.dtype,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -129,27 +141,38 @@ def main() -> None:
     memory = {impl: memory_in_subprocess(impl, args) for impl in impls}
 
     total = {impl: statistics.median(f + b for f, b in times[impl]) for impl in impls}
-    cpu_name = next((line.split(":", 1)[1].strip() for line in
-                     Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), platform.processor())
-    print(f"{datetime.date.today()} · {cpu_name}, {torch.get_num_threads()} threads · "
-          f"torch {torch.__version__} · N {args.N}, H {args.H}, V {args.V}, {args.dtype}, "
-          f"fwd+bwd, median of {args.repeats} after 1 warm-up\n")
+    cpu_name = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    print(
+        f"{datetime.date.today()} · {cpu_name}, {torch.get_num_threads()} threads · "
+        f"torch {torch.__version__} · N {args.N}, H {args.H}, V {args.V}, {args.dtype}, "
+        f"fwd+bwd, median of {args.repeats} after 1 warm-up\n"
+    )
     print("| implementation | fwd (s) | bwd (s) | fwd+bwd (s) | × cpp time | peak extra (MiB) |")
     print("|---|---:|---:|---:|---:|---:|")
     for impl in impls:
         fwd = statistics.median(f for f, _ in times[impl])
         bwd = statistics.median(b for _, b in times[impl])
-        print(f"| {impl} | {fwd:.2f} | {bwd:.2f} | {total[impl]:.2f} | "
-              f"{total[impl] / total[impls[0]]:.2f} | {memory[impl]['peak_extra_mib']:.0f} |")
+        print(
+            f"| {impl} | {fwd:.2f} | {bwd:.2f} | {total[impl]:.2f} | "
+            f"{total[impl] / total[impls[0]]:.2f} | {memory[impl]['peak_extra_mib']:.0f} |"
+        )
     grads = memory[impls[0]]["grads_mib"]
     print(f"\npeak extra includes the gradients dhidden + dweight ({grads:.0f} MiB)")
     if "cpp" in impls:
         for impl in impls:
             if impl != "cpp":
                 print(f"cpp is {total[impl] / total['cpp']:.2f}x faster than {impl}")
-    print("raw fwd+bwd seconds: " + json.dumps(
-        {impl: [round(f + b, 3) for f, b in times[impl]] for impl in impls}))
+    print(
+        "raw fwd+bwd seconds: "
+        + json.dumps({impl: [round(f + b, 3) for f, b in times[impl]] for impl in impls})
+    )
 
 
 if __name__ == "__main__":

@@ -47,14 +47,18 @@ def backend_module() -> ModuleType:
         return cpp
     error = cpp.build_error()
     if requested == "cpp":
-        raise RuntimeError(f"{ENV}=cpp but the C++ CPU backend could not be built: {error}") \
-            from error
+        raise RuntimeError(
+            f"{ENV}=cpp but the C++ CPU backend could not be built: {error}"
+        ) from error
     if not _fallback_warned:
         _fallback_warned = True
         summary = _summary(error)
-        warnings.warn(f"fgrpo_kernels: the C++ CPU backend could not be built ({summary}); using "
-                      f"the chunked-PyTorch path (set {ENV}=torch to skip the build)",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"fgrpo_kernels: the C++ CPU backend could not be built ({summary}); using "
+            f"the chunked-PyTorch path (set {ENV}=torch to skip the build)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return chunked
 
 

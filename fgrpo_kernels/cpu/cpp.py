@@ -41,8 +41,13 @@ def csrc_dir() -> Path:
 def _isa() -> tuple[str, list[str]]:
     """Vector ISA of this host as (tag, flags); the tag keeps a shared cache host-correct."""
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        return "avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2",
-                        "-DCPU_CAPABILITY_AVX2"]
+        return "avx2", [
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-DCPU_CAPABILITY=AVX2",
+            "-DCPU_CAPABILITY_AVX2",
+        ]
     return "default", ["-DCPU_CAPABILITY=DEFAULT"]
 
 
@@ -70,8 +75,11 @@ def _build_and_load() -> None:
     library = build_dir / f"{name}.so"
     inputs = [src / f for f in SOURCES + HEADERS]
     if not library.exists() or max(p.stat().st_mtime for p in inputs) > library.stat().st_mtime:
-        print(f"fgrpo_kernels: building the C++ CPU backend in {build_dir} (once, ~1 min)",
-              file=sys.stderr, flush=True)
+        print(
+            f"fgrpo_kernels: building the C++ CPU backend in {build_dir} (once, ~1 min)",
+            file=sys.stderr,
+            flush=True,
+        )
     cpp_extension.load(
         name=name,
         sources=[str(src / f) for f in SOURCES],
@@ -92,8 +100,21 @@ def _register_fakes() -> None:
         return (*out, hidden.new_empty(n if return_entropy else 0, dtype=torch.float32))
 
     @torch.library.register_fake("fgrpo::logprob_bwd")
-    def _(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy, temperature,
-          ignore_index, need_hidden, need_weight, need_bias):
+    def _(
+        hidden,
+        weight,
+        targets,
+        bias,
+        lse,
+        entropy,
+        grad_logp,
+        grad_entropy,
+        temperature,
+        ignore_index,
+        need_hidden,
+        need_weight,
+        need_bias,
+    ):
         need_bias = need_bias and bias is not None
         return (
             torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
@@ -133,15 +154,37 @@ def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entr
     return logp, lse, entropy if return_entropy else None
 
 
-def logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
-                opts: LogProbOptions, needs: tuple[bool, bool, bool]):
+def logprob_bwd(
+    hidden,
+    weight,
+    targets,
+    bias,
+    lse,
+    entropy,
+    grad_logp,
+    grad_entropy,
+    opts: LogProbOptions,
+    needs: tuple[bool, bool, bool],
+):
     """Gradients (dhidden, dweight, dbias) of Σ g·logp + Σ g_H·entropy; None where not needed."""
     if _wide(hidden, weight):
-        return chunked.logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp,
-                                   grad_entropy, opts, needs)
+        return chunked.logprob_bwd(
+            hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy, opts, needs
+        )
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     dh, dw, db = torch.ops.fgrpo.logprob_bwd(
-        hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy, opts.temperature,
-        opts.ignore_index, need_h, need_w, need_b
+        hidden,
+        weight,
+        targets,
+        bias,
+        lse,
+        entropy,
+        grad_logp,
+        grad_entropy,
+        opts.temperature,
+        opts.ignore_index,
+        need_h,
+        need_w,
+        need_b,
     )
     return dh if need_h else None, dw if need_w else None, db if need_b else None
