@@ -52,13 +52,17 @@ class _FusedLinearLoss(torch.nn.Module):
         return scatter(logp), None if ent is None else scatter(ent.detach())
 
     def _given_or_computed(self, name, given, hidden, weight, bias, ids, mask, B, T):
-        """Per-token log-probs passed in, or computed forward-only from (hidden, weight, bias)."""
+        """Per-token log-probs passed in, or computed forward-only from (hidden, weight, bias)
+        — the Liger convention for an in-call reference model."""
         if given is not None:
             check.tensor(name, given, shape=(B, T), floating=True)
             return given.detach()
         if hidden is None:
             return None
-        check.linear_batch(hidden, weight, ids, mask, bias, prefix="ref_")
+        check.tensor("ref_hidden", hidden, shape=(B, T, None), floating=True)
+        check.tensor("ref_weight", weight, shape=(None, hidden.shape[-1]), floating=True)
+        if bias is not None:
+            check.tensor("ref_bias", bias, shape=(weight.shape[0],), floating=True)
         with torch.no_grad():
             return self._logps(hidden, weight, ids, mask, bias)[0]
 

@@ -107,6 +107,9 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
             pref_hidden, weight, pref_completion_ids, pref_completion_mask, bias, prefix="pref_"
         )
         check.chosen("chosen", chosen, pref_hidden.shape[0])
+        check.optional_per_token(
+            "pref_ref_per_token_logps", pref_ref_per_token_logps, *pref_hidden.shape[:2]
+        )
         on_policy, m_on = super().forward(
             hidden,
             weight,

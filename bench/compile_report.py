@@ -1,0 +1,180 @@
+"""Ahead-of-time compile of every log-prob kernel configuration; registers, spills, smem.
+
+    python bench/compile_report.py [--arch 90|80|all] [--quick] [--csv PATH]
+
+Compiles each entry of `fgrpo_kernels.kernels.configs.TABLE` for its dtype variants (with and
+without bias, entropy on and off) with `triton.compile(ASTSource(...), target=GPUTarget(...))`,
+then runs `ptxas -v` (ptxas-blackwell, -arch=sm_90a / sm_80) on the PTX. Needs no GPU, but
+real JITFunctions: TRITON_INTERPRET is forced to 0 before the kernels are imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+import triton.backends.nvidia  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fgrpo_kernels.kernels import configs  # noqa: E402
+from fgrpo_kernels.kernels.logprob_bwd import _logprob_bwd_kernel  # noqa: E402
+from fgrpo_kernels.kernels.logprob_fwd import _logprob_fwd_kernel  # noqa: E402
+
+BIN = Path(triton.backends.nvidia.__file__).parent / "bin"
+ARCHS = {"90": ("sm_90a", 90), "80": ("sm_80", 80)}
+# the dtype variants of each precision key: (name, hidden, weight, dot precision)
+VARIANTS = {
+    "lowp": ("bf16", "bf16", "bf16", "ieee"),
+    "lowp_fp32w": ("bf16+fp32w", "bf16", "fp32", "ieee"),
+    "tf32": ("fp32-tf32", "fp32", "fp32", "tf32"),
+    "fp32": ("fp32", "fp32", "fp32", "ieee"),
+}
+# arguments the runtime usually specialises as multiples of 16 (fresh allocations, H = 4096)
+DIVISIBLE = ("h_ptr", "w_ptr", "b_ptr", "y_ptr", "H", "stride_hn", "stride_wv")
+
+
+@dataclass
+class Case:
+    kernel: str
+    key: str
+    dtype: str
+    hdt: str
+    wdt: str
+    precision: str
+    bias: bool
+    entropy: bool
+
+
+def cases(quick: bool) -> list[Case]:
+    out = []
+    for kernel, key in configs.TABLE:
+        name, hdt, wdt, prec = VARIANTS[key]
+        for bias in (True, False):
+            for entropy in (True, False):
+                if quick and not (key == "lowp" and bias and entropy):
+                    continue
+                out.append(Case(kernel, key, name, hdt, wdt, prec, bias, entropy))
+    return out
+
+
+def signature(case: Case, cfg: configs.KernelConfig):
+    """(kernel, signature, constexprs) of one case, argument types as the launchers pass them."""
+    h, w = f"*{case.hdt}", f"*{case.wdt}"
+    sig = {"h_ptr": h, "w_ptr": w, "b_ptr": w if case.bias else "constexpr", "y_ptr": "*i64"}
+    const = {} if case.bias else {"b_ptr": None}
+    if case.kernel == "fwd":
+        fn = _logprob_fwd_kernel
+        sig |= {p: "*fp32" for p in ("m_ptr", "s_ptr", "zy_ptr", "t_ptr")}
+        ints = ("N", "V", "H", "stride_hn", "stride_wv")
+        sig |= dict.fromkeys(ints, "i32") | {"inv_t": "fp32"}
+        sig |= {"n_splits": "i32", "tiles_per_split": "i32"}
+        flags = {"HAS_BIAS": case.bias, "HAS_ENTROPY": case.entropy}
+    else:
+        fn = _logprob_bwd_kernel
+        ent = "*fp32" if case.entropy else "constexpr"
+        sig |= {"lse_ptr": "*fp32", "ent_ptr": ent, "g_ptr": "*fp32", "g_ent_ptr": ent}
+        const |= {} if case.entropy else {"ent_ptr": None, "g_ent_ptr": None}
+        sig["dz_ptr"] = h
+        ints = ("N", "V", "H", "stride_hn", "stride_wv", "stride_dz", "v_begin", "v_end")
+        sig |= dict.fromkeys(ints, "i32") | {"n_vtiles": "i32", "inv_t": "fp32"}
+        sig["ignore_index"] = "i32"
+        flags = {"HAS_BIAS": case.bias, "HAS_GRAD_ENTROPY": case.entropy}
+    const |= flags | {"BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v, "BLOCK_K": cfg.block_k}
+    const |= {"UPCAST_DOT": False, "DOT_PRECISION": case.precision}
+    for name in const:
+        sig[name] = "constexpr"
+    assert list(sig) == fn.arg_names, (list(sig), fn.arg_names)
+    return fn, sig, const
+
+
+def ptxas_stats(ptx: str, arch: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        for tool in ("ptxas-blackwell", "ptxas"):
+            cmd = [str(BIN / tool), f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "k.o")]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"ptxas failed for {arch}: {res.stderr[-2000:]}")
+    log = res.stderr + res.stdout
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "ptxas": tool,
+        "regs": int(regs.group(1)) if regs else -1,
+        "spill_st": int(spills.group(1)) if spills else -1,
+        "spill_ld": int(spills.group(2)) if spills else -1,
+    }
+
+
+def compile_case(case: Case, arch_key: str) -> dict:
+    arch, cc = ARCHS[arch_key]
+    cfg = configs.TABLE[(case.kernel, case.key)]
+    fn, sig, const = signature(case, cfg)
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in DIVISIBLE}
+    if not case.bias:
+        attrs.pop((fn.arg_names.index("b_ptr"),))
+    src = ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
+    row = {
+        "kernel": fn.__name__,
+        "arch": arch,
+        "dtype": case.dtype,
+        "bias": int(case.bias),
+        "entropy": int(case.entropy),
+        "tile": f"{cfg.block_n}x{cfg.block_v}x{cfg.block_k}",
+        "warps": cfg.num_warps,
+        "stages": cfg.num_stages,
+    }
+    row |= ptxas_stats(compiled.asm["ptx"], arch)
+    row["smem"] = compiled.metadata.shared
+    return row
+
+
+COLUMNS = ("kernel", "arch", "dtype", "bias", "entropy", "tile", "warps", "stages", "regs",
+           "spill_st", "spill_ld", "smem", "ptxas")  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=("90", "80", "all"), default="all")
+    ap.add_argument("--quick", action="store_true", help="one configuration per kernel")
+    ap.add_argument("--csv", type=Path, help="also write the table as CSV")
+    args = ap.parse_args(argv)
+    if not isinstance(_logprob_fwd_kernel, JITFunction):
+        print("compile_report: kernels are interpreted; unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    archs = ("90", "80") if args.arch == "all" else (args.arch,)
+    rows = [compile_case(c, a) for a in archs for c in cases(args.quick)]
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in COLUMNS) + " |")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=COLUMNS)
+            wr.writeheader()
+            wr.writerows(rows)
+    bad = [r for r in rows if r["regs"] <= 0]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

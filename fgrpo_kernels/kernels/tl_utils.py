@@ -1,0 +1,75 @@
+"""Small @triton.jit helpers shared by the forward and backward log-prob kernels.
+
+Offsets: every tile starts at an int64 base (n0 · stride, v0 · stride) and adds int32 in-tile
+offsets, so N·H, N·V and V·H may pass 2^31 while the per-element index math stays 32-bit.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tl_block_start(pid, BLOCK: tl.constexpr):
+    """int64 first index of block `pid` (multiplied by strides later, never overflows)."""
+    return pid.to(tl.int64) * BLOCK
+
+
+@triton.jit
+def tl_logits_tile(
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    n0,
+    v0,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_wv,
+    inv_t,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """z[BLOCK_N, BLOCK_V] = (h W^T + b)·inv_t in fp32 for rows n0 + i and vocab v0 + j.
+
+    Operands are multiplied in hidden's dtype (the weight tile is converted to it); rows ≥ N and
+    columns ≥ V read zeros, so the caller masks them.
+    """
+    rows = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_V)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = rows < (N - n0).to(tl.int32)
+    mask_v = cols < (V - v0).to(tl.int32)
+    h_ptrs = h_ptr + n0 * stride_hn + (rows[:, None] * stride_hn + offs_k[None, :])
+    w_ptrs = w_ptr + v0 * stride_wv + (cols[None, :] * stride_wv + offs_k[:, None])
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        mask_k = offs_k < H - k0
+        h = tl.load(h_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_v[None, :], other=0.0).to(h.dtype)
+        if UPCAST_DOT:
+            # NB: under TRITON_INTERPRET=1 (Triton 3.9) tl.dot of two bf16/fp16 blocks returns
+            # garbage; the launcher sets UPCAST_DOT only there. The upcast is exact, so the
+            # interpreted product equals the compiled one (fp32 accumulation of low-precision
+            # operands).
+            h = h.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(h, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + v0 + cols, mask=mask_v, other=0.0).to(tl.float32)[None, :]
+    return acc * inv_t
+
+
+@triton.jit
+def tl_local_index(idx, start, BLOCK: tl.constexpr):
+    """int32 idx − start where it falls in [0, BLOCK), else −1 (compares cheaply with arange)."""
+    local = idx - start
+    return tl.where((local >= 0) & (local < BLOCK), local, -1).to(tl.int32)
