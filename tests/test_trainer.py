@@ -104,6 +104,27 @@ def test_dapo_grad_accum_equals_one_batch():
         torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-7)
 
 
+def test_peft_reference_is_the_adapter_disabled_model(tmp_path):
+    peft = pytest.importorskip("peft")
+    base = tiny_model(0)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(base, lora)
+    cfg = TrainConfig(
+        out_dir=str(tmp_path), loss="fgrpo", steps=3, prompts_per_step=4, num_generations=4,
+        lr=1e-2, progress=False,
+    )  # fmt: skip
+    trainer = Trainer(model, tiny_tokenizer(), always_seven, TASK.prompts, cfg)
+    assert trainer.ref_is_adapter and trainer.ref_model is None
+    assert not hf.causal_lm(model).get_output_embeddings().weight.requires_grad
+    trainer.train()
+    rollout, _, _ = trainer.rollout()
+    with model.disable_adapter():
+        frozen = hf.logps_no_grad(model, rollout, 1.0)
+    torch.testing.assert_close(rollout.ref_logps, frozen)
+    assert not torch.allclose(hf.logps_no_grad(model, rollout, 1.0), frozen)  # the adapter moved
+    assert (tmp_path / "final" / "adapter_config.json").exists()
+
+
 def test_fgrpo_train_cli_writes_metrics_and_plot(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "--steps", "3", "--no-progress"]) == 0

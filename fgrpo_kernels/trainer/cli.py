@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     name = cfg.loss + (f" {cfg.divergence}" if cfg.loss in ("fgrpo", "fhal") else "")
     name += f" {cfg.loss_type}" if cfg.loss == "grpo" else ""
+    name += f" {cfg.level}-level" if cfg.loss in ("fgrpo", "fhal") and cfg.level != "token" else ""
     plot_rewards(history, out / "reward.png", f"fgrpo train: {name}")
     first, last = fifths(history)
     summary = {
