@@ -25,7 +25,9 @@ class TrainConfig:
 
     One step = one rollout of `prompts_per_step` prompts × `num_generations` completions,
     then `num_updates` optimizer updates on it, each accumulating gradients over `grad_accum`
-    micro-batches of whole groups.
+    micro-batches of whole groups. With `num_updates > 1` the GRPO family clips the ratio to
+    the rollout's (old) log-probs; f-GRPO, GIFT and f-HAL have no ratio and simply take more
+    steps on the same samples.
     """
 
     out_dir: str = "fgrpo-out"
