@@ -273,7 +273,7 @@ def _progress(cfg: TrainConfig):
         from tqdm.auto import tqdm
     except ImportError:  # tqdm comes with the dev extra; without it, no bar
         return None
-    return tqdm(total=cfg.steps, desc=f"fgrpo {cfg.loss}", unit="step")
+    return tqdm(total=cfg.steps, desc=f"train {cfg.loss}", unit="step")
 
 
 def _postfix(record: dict) -> dict[str, str]:
