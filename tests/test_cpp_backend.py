@@ -52,8 +52,7 @@ def make_inputs(seed, N, H, V, dtype, w_dtype, has_bias, ignore_index, frac_igno
     return hidden, weight, targets, bias, upstream
 
 
-def run(impl, hidden, weight, targets, bias, upstream, tau, ignore_index, *, up=None,
-        frozen=()):
+def run(impl, hidden, weight, targets, bias, upstream, tau, ignore_index, *, up=None, frozen=()):
     """(logp, entropy, dhidden, dweight, dbias) of Σ g·logp + Σ g_H·entropy."""
     leaves = [None if t is None else t.detach().to(up or t.dtype) for t in (hidden, weight, bias)]
     for name, t in zip(("hidden", "weight", "bias"), leaves, strict=True):
@@ -66,10 +65,29 @@ def run(impl, hidden, weight, targets, bias, upstream, tau, ignore_index, *, up=
 
 
 def compare(hidden, weight, targets, bias, upstream, tau, ignore_index, frozen=()):
-    got = run(fused_linear_logprobs, hidden, weight, targets, bias, upstream, tau, ignore_index,
-              frozen=frozen)
-    want = run(reference.logprobs, hidden, weight, targets, bias, upstream, tau, ignore_index,
-               up=torch.float64, frozen=frozen)
+    got = run(
+        fused_linear_logprobs,
+        hidden,
+        weight,
+        targets,
+        bias,
+        upstream,
+        tau,
+        ignore_index,
+        frozen=frozen,
+    )
+    want = run(
+        reference.logprobs,
+        hidden,
+        weight,
+        targets,
+        bias,
+        upstream,
+        tau,
+        ignore_index,
+        up=torch.float64,
+        frozen=frozen,
+    )
     tol = max(TOL[t.dtype] for t in (hidden, weight, bias) if t is not None)
     for name, g, w in zip(OUTPUTS, got, want, strict=True):
         check(name, g, w, tol)
@@ -83,15 +101,23 @@ def compare(hidden, weight, targets, bias, upstream, tau, ignore_index, frozen=(
     N=st.integers(1, 40),
     H=st.integers(1, 70),
     V=st.integers(2, 400),
-    dtypes=st.sampled_from([(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float16,) * 2,
-                            (torch.bfloat16, torch.float32), (torch.float32, torch.float16)]),
+    dtypes=st.sampled_from(
+        [
+            (torch.float32,) * 2,
+            (torch.bfloat16,) * 2,
+            (torch.float16,) * 2,
+            (torch.bfloat16, torch.float32),
+            (torch.float32, torch.float16),
+        ]
+    ),
     has_bias=st.booleans(),
     tau=st.sampled_from([1.0, 0.6, 1.7]),
     ignore_index=st.sampled_from([-100, 0]),
     frac_ignored=st.sampled_from([0.0, 0.3, 1.0]),
 )
-def test_matches_float64_reference(seed, N, H, V, dtypes, has_bias, tau, ignore_index,
-                                   frac_ignored):
+def test_matches_float64_reference(
+    seed, N, H, V, dtypes, has_bias, tau, ignore_index, frac_ignored
+):
     inputs = make_inputs(seed, N, H, V, *dtypes, has_bias, ignore_index, frac_ignored)
     compare(*inputs, tau, ignore_index)
 
@@ -114,8 +140,12 @@ def test_named_shapes(N, H, V, dtype, has_bias, tau):
 
 @pytest.mark.parametrize("frozen", [("weight",), ("hidden",), ("hidden", "bias")])
 def test_frozen_inputs(frozen):
-    compare(*make_inputs(7, 29, 19, 333, torch.float32, torch.float32, True, -100, 0.2), 1.1,
-            -100, frozen=frozen)
+    compare(
+        *make_inputs(7, 29, 19, 333, torch.float32, torch.float32, True, -100, 0.2),
+        1.1,
+        -100,
+        frozen=frozen,
+    )
 
 
 def test_fp64_goes_to_chunked():
@@ -199,8 +229,10 @@ def test_fake_kernels_match_real_ones():
     h, w, y, b, g = make_inputs(2, 9, 8, 40, torch.bfloat16, torch.bfloat16, True, -100, 0.2)
     torch.library.opcheck(torch.ops.fgrpo.logprob_fwd.default, (h, w, y, b, 0.9, -100, True))
     logp, lse, ent = torch.ops.fgrpo.logprob_fwd(h, w, y, b, 0.9, -100, True)
-    for args in [(b, lse, ent, g[0], g[1], 0.9, -100, True, True, True),
-                 (None, lse, None, g[0], None, 1.0, -100, False, True, False)]:
+    for args in [
+        (b, lse, ent, g[0], g[1], 0.9, -100, True, True, True),
+        (None, lse, None, g[0], None, 1.0, -100, False, True, False),
+    ]:
         torch.library.opcheck(torch.ops.fgrpo.logprob_bwd.default, (h, w, y, *args))
 
 
@@ -268,16 +300,24 @@ def test_first_build_prints_one_line(monkeypatch, tmp_path, capsys):
 
 
 def test_real_build_failure_in_a_fresh_process(tmp_path):
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"),
-               TORCH_EXTENSIONS_DIR=str(tmp_path), FGRPO_BACKEND="cpu", PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ,
+        CXX=str(tmp_path / "no-such-compiler"),
+        TORCH_EXTENSIONS_DIR=str(tmp_path),
+        FGRPO_BACKEND="cpu",
+        PYTHONPATH=str(ROOT),
+    )
     env.pop("FGRPO_CPU_BACKEND", None)
-    code = ("import warnings, torch, fgrpo_kernels as f\n"
-            "warnings.simplefilter('always')\n"
-            "h, w, y = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])\n"
-            "f.fused_linear_logprobs(h, w, y); f.fused_linear_logprobs(h, w, y)\n"
-            "print(f.cpu_backend())\n")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+    code = (
+        "import warnings, torch, fgrpo_kernels as f\n"
+        "warnings.simplefilter('always')\n"
+        "h, w, y = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])\n"
+        "f.fused_linear_logprobs(h, w, y); f.fused_linear_logprobs(h, w, y)\n"
+        "print(f.cpu_backend())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "torch", out.stdout
     assert out.stderr.count("could not be built") == 1, out.stderr
