@@ -124,7 +124,7 @@ def _run_fgrpo(monkeypatch, b, divergence, level, reduction, source, weights, be
 
 @pytest.mark.parametrize("level,reduction", LEVEL_REDUCTIONS, ids=lambda x: _name(x))
 @pytest.mark.parametrize("divergence", DIVS, ids=_name)
-@settings(max_examples=3, **QUICK)
+@settings(max_examples=5, **QUICK)
 @given(
     b=batches(),
     source=st.sampled_from(SOURCES),
@@ -137,7 +137,7 @@ def test_fgrpo_matches(monkeypatch, divergence, level, reduction, b, source, wei
 
 @pytest.mark.parametrize("weights", [False, True], ids=["plain", "is_weights"])
 @pytest.mark.parametrize("source", SOURCES)
-@settings(max_examples=3, **QUICK)
+@settings(max_examples=5, **QUICK)
 @given(b=batches(), divergence=st.sampled_from(DIVS), lr=st.sampled_from(LEVEL_REDUCTIONS))
 def test_fgrpo_every_source_and_weighting(monkeypatch, source, weights, b, divergence, lr):
     _run_fgrpo(monkeypatch, b, divergence, *lr, source, weights, 0.5)
@@ -145,7 +145,7 @@ def test_fgrpo_every_source_and_weighting(monkeypatch, source, weights, b, diver
 
 @pytest.mark.parametrize("level", list(E.Level), ids=_name)
 @pytest.mark.parametrize("loss_type", list(E.LossType), ids=_name)
-@settings(max_examples=5, **QUICK)
+@settings(max_examples=10, **QUICK)
 @given(
     b=batches(),
     beta=st.sampled_from([0.0, 0.04]),
@@ -189,7 +189,7 @@ def _run_grpo(monkeypatch, b, loss_type, level, beta, eps, has_old, has_ref, n_i
 
 @pytest.mark.parametrize("unbiased", [True, False], ids=["unbiased", "biased"])
 @pytest.mark.parametrize("detach", [False, True], ids=["through_stats", "detach_stats"])
-@settings(max_examples=5, **QUICK)
+@settings(max_examples=10, **QUICK)
 @given(b=batches(), beta=st.sampled_from([0.5, 1.0, 3.0]))
 def test_gift_matches(monkeypatch, detach, unbiased, b, beta):
     _run_gift(monkeypatch, b, detach, unbiased, beta)
@@ -220,7 +220,7 @@ def _run_gift(monkeypatch, b, detach, unbiased, beta):
 
 
 @pytest.mark.parametrize("divergence", DIVS, ids=_name)
-@settings(max_examples=3, **QUICK)
+@settings(max_examples=5, **QUICK)
 @given(b=batches(), beta=st.sampled_from([0.1, 1.0]))
 def test_fdo_matches(monkeypatch, divergence, b, beta):
     opts = E.FDOOptions(divergence, beta)
@@ -244,7 +244,7 @@ def test_fdo_matches(monkeypatch, divergence, b, beta):
 @pytest.mark.parametrize(
     "loss", ["fgrpo_token", "fgrpo_sequence", "grpo_token", "grpo_sequence", "gift"]
 )
-@settings(max_examples=2, **QUICK)
+@settings(max_examples=3, **QUICK)
 @given(b=batches(max_len=9))
 def test_rows_longer_than_a_tile_are_walked_in_chunks(monkeypatch, loss, b):
     """With an 8-element tile, every pass over T takes several BLOCK_T chunks."""

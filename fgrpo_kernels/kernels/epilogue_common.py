@@ -7,6 +7,8 @@ no group statistic is needed), held as a [BLOCK_G] vector; per-token tensors are
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -88,21 +90,19 @@ def tl_store_row_grad(dlogp_ptr, mask_ptr, base, row_ok, coef, T, BLOCK_T: tl.co
 
 @triton.jit
 def tl_group_center(x, ok, n, dof):
-    """Centred values c = x − μ and σ = sqrt(Σ c² / dof) of the group `ok` (n members), in the
-    dtype of x (the kernels pass float64: O(G) work per program).
+    """Centred values c = x − μ and σ = sqrt(Σ c² / dof) of the group `ok` (n members).
 
-    NB: μ is taken about the first member, so a flat group centres to exactly 0 (a plain Σx/n
-    is off by an ulp for n = 3, 5, 6, 7, which (x − μ)/(σ + eps) then blows up to ~1e-3)."""
-    x0 = tl.sum(tl.where(tl.arange(0, x.shape[0]) == 0, x, 0.0), axis=0)
-    mu = x0 + tl.sum(tl.where(ok, x - x0, 0.0), axis=0) / n
+    NB: the kernels pass float64 (O(G) work per program). A flat group of fp32 rewards then
+    centres to exactly 0, where an fp32 Σx/n is off by an ulp for n = 3, 5, 6, 7 and
+    (x − μ)/(σ + eps) blows that up to ~1e-3."""
+    mu = tl.sum(tl.where(ok, x, 0.0), axis=0) / n
     c = tl.where(ok, x - mu, 0.0)
     var = tl.sum(c * c, axis=0) / dof
     if x.dtype == tl.float64:
         root = tl.sqrt(tl.maximum(var, 0.0))  # sqrt.rn.f64: fp64 square roots are exact
     else:
         root = tl.sqrt_rn(tl.maximum(var, 0.0))
-    sigma = tl.where(var > 0, root, 0.0)
-    return c, sigma
+    return c, tl.where(var > 0, root, 0.0)
 
 
 @triton.jit
@@ -152,6 +152,24 @@ def dof(n: int, unbiased: bool) -> float:
     return float(max(n - 1 if unbiased else n, 1))
 
 
-def finish(partial: torch.Tensor) -> torch.Tensor:
-    """The loss: the per-program partial sums added in torch (deterministic, no atomics)."""
-    return partial.sum()
+@dataclass(frozen=True)
+class Plan:
+    """One launch: the grid, the outputs (dL/dlogp [B, T] and one partial loss per program)
+    and the tile meta-parameters (BLOCK_G, BLOCK_T, num_warps)."""
+
+    grid: tuple[int]
+    dlogp: torch.Tensor
+    partial: torch.Tensor
+    meta: dict
+
+    @staticmethod
+    def of(B: int, T: int, rows: int, device: torch.device) -> Plan:
+        block_g, block_t = blocks(rows, T)
+        grid = (triton.cdiv(B, rows),)
+        meta = {"BLOCK_G": block_g, "BLOCK_T": block_t, "num_warps": num_warps(block_g, block_t)}
+        dlogp = torch.empty((B, T), dtype=torch.float32, device=device)
+        return Plan(grid, dlogp, torch.empty(grid[0], dtype=torch.float32, device=device), meta)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, dL/dlogp): the partial sums added in torch (deterministic, no atomics)."""
+        return self.partial.sum(), self.dlogp

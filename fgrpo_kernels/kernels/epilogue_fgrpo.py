@@ -9,12 +9,10 @@ import triton.language as tl
 from ..divergences_triton import tl_phi
 from ..epilogue import FGRPOOptions, Level, Reduction, Scale
 from .epilogue_common import (
-    blocks,
+    Plan,
     contiguous,
     device_scalar,
     dof,
-    finish,
-    num_warps,
     row_block,
     tl_group_center,
     tl_group_zscore,
@@ -142,11 +140,8 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
         r = rewards.float()
         sigma = r.std(correction=int(opts.unbiased)) if B > 1 else r.new_zeros(())
         sigma = sigma.reshape(1)
-    block_g, block_t = blocks(rows, T)
-    grid = (triton.cdiv(B, rows),)
-    dlogp = torch.empty((B, T), dtype=torch.float32, device=logps.device)
-    partial = torch.empty(grid[0], dtype=torch.float32, device=logps.device)
-    _fgrpo_epilogue_kernel[grid](
+    plan = Plan.of(B, T, rows, logps.device)
+    _fgrpo_epilogue_kernel[plan.grid](
         logps,
         ref_logps,
         mask,
@@ -155,8 +150,8 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
         contiguous(old_logps) if opts.group_is_weights else None,
         _norm(mask, B, opts),
         sigma,
-        dlogp,
-        partial,
+        plan.dlogp,
+        plan.partial,
         B,
         T,
         rows,
@@ -169,8 +164,6 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
         HAS_ADVANTAGES=advantages is not None,
         SCALE=int(opts.scale),
         HAS_IS_WEIGHTS=bool(opts.group_is_weights),
-        BLOCK_G=block_g,
-        BLOCK_T=block_t,
-        num_warps=num_warps(block_g, block_t),
+        **plan.meta,
     )
-    return finish(partial), dlogp
+    return plan.result()

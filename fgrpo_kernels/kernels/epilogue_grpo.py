@@ -9,11 +9,9 @@ import triton.language as tl
 from ..divergences_triton import tl_sat_exp
 from ..epilogue import GRPOOptions, Level, LossType
 from .epilogue_common import (
-    blocks,
+    Plan,
     contiguous,
     device_scalar,
-    finish,
-    num_warps,
     row_block,
     tl_load,
     tl_load_mask,
@@ -123,19 +121,16 @@ def grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts
     logps, mask = contiguous(logps), contiguous(mask)
     has_kl = ref_logps is not None and opts.beta != 0.0
     rows = row_block(B, T)
-    block_g, block_t = blocks(rows, T)
-    grid = (triton.cdiv(B, rows),)
-    dlogp = torch.empty((B, T), dtype=torch.float32, device=logps.device)
-    partial = torch.empty(grid[0], dtype=torch.float32, device=logps.device)
-    _grpo_epilogue_kernel[grid](
+    plan = Plan.of(B, T, rows, logps.device)
+    _grpo_epilogue_kernel[plan.grid](
         logps,
         contiguous(old_logps),
         contiguous(ref_logps) if has_kl else None,
         mask,
         contiguous(advantages),
         _norm(mask, B, T, num_items_in_batch, opts),
-        dlogp,
-        partial,
+        plan.dlogp,
+        plan.partial,
         B,
         T,
         rows,
@@ -146,8 +141,6 @@ def grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts
         ROW_MEAN=opts.loss_type == LossType.GRPO,
         HAS_OLD=old_logps is not None,
         HAS_KL=has_kl,
-        BLOCK_G=block_g,
-        BLOCK_T=block_t,
-        num_warps=num_warps(block_g, block_t),
+        **plan.meta,
     )
-    return finish(partial), dlogp
+    return plan.result()
