@@ -59,30 +59,33 @@ def _reference(loss_fn, logps, **kwargs):
     return loss.detach(), grad
 
 
-def _check(label, got, *wants, rtol=1e-5, loss_floor=1.0):
+def _errors(got, want, loss_floor):
+    return {
+        "loss": rel_error(got[0], want[0], loss_floor),
+        "dL/dlogp": rel_error(got[1], want[1], GRAD_FLOOR),
+    }
+
+
+def _check(label, got, want, cpu=None, rtol=1e-5, loss_floor=1.0):
+    """`got` (Triton) against the float64 reference `want`, and against the PyTorch path `cpu`
+    wherever that path is itself within rtol/2 of the float64 truth. Its fp32 is not, in cases
+    the epilogue handles in float64: flat fp32 reward groups (an ulp-off group mean becomes
+    a = ±1e-3), GIFT's through-σ slope at G = 2, sums of T log-probs in IS weights (3e-5)."""
     loss, grad = got
     assert loss.dtype == torch.float32 and loss.dim() == 0, f"{label}: loss {loss.dtype}"
     assert grad.dtype == torch.float32, f"{label}: dL/dlogp {grad.dtype}"
+    assert grad.shape == want[1].shape, f"{label}: dL/dlogp shape {tuple(grad.shape)}"
     assert torch.isfinite(loss) and torch.isfinite(grad).all(), f"{label}: not finite"
-    for name, (want_loss, want_grad) in zip(("cpu", "float64 reference"), wants):
-        assert grad.shape == want_grad.shape, f"{label}: dL/dlogp shape {tuple(grad.shape)}"
-        errors = {
-            "loss": rel_error(loss, want_loss, loss_floor),
-            "dL/dlogp": rel_error(grad, want_grad, GRAD_FLOOR),
-        }
-        bad = {k: v for k, v in errors.items() if not v <= rtol}
-        assert not bad, (
+    judges = [("float64 reference", want)]
+    if cpu is not None and max(_errors(cpu, want, loss_floor).values()) <= rtol / 2:
+        judges.append(("cpu", cpu))
+    for name, judge in judges:
+        errors = _errors(got, judge, loss_floor)
+        assert max(errors.values()) <= rtol, (
             f"{label} vs {name}: "
             + ", ".join(f"{k} rel err {v:.3g}" for k, v in errors.items())
-            + f"; loss {float(loss):.7g} vs {float(want_loss):.7g}"
+            + f"; loss {float(loss):.7g} vs {float(judge[0]):.7g}"
         )
-
-
-def _cpu_group_zscore_is_exact(x: torch.Tensor, G: int) -> bool:
-    """False where the PyTorch path's fp32 group mean of a flat group is off by an ulp (G = 3,
-    5, 6, 7): (R − μ)/(σ + eps) then turns a zero advantage into ±1e-3 with a random sign, and
-    that path, not the epilogue, is off the float64 truth. See the report of issue 4."""
-    return torch.equal(R.group_normalize(x, G) == 0, R.group_normalize(x.double(), G) == 0)
 
 
 def _fgrpo_case(b: Batch, divergence, level, reduction, source, weights, beta):
@@ -116,10 +119,9 @@ def _run_fgrpo(monkeypatch, b, divergence, level, reduction, source, weights, be
     args, want = _fgrpo_case(b, divergence, level, reduction, source, weights, beta)
     triton_out, cpu_out = _both(monkeypatch, E.fgrpo, *args)
     label = f"fgrpo {_name(divergence)} {_name(level)} {_name(reduction)} {source} IS={weights}"
-    exact = source == "advantages" or _cpu_group_zscore_is_exact(b.rewards, b.num_generations)
     units = b.mask.sum() if level == E.Level.TOKEN else b.mask.shape[0]
     floor = max(float(units), 1.0) if reduction == E.Reduction.SUM else 1.0
-    _check(label, triton_out, *((cpu_out, want) if exact else (want,)), loss_floor=floor)
+    _check(label, triton_out, want, cpu_out, loss_floor=floor)
 
 
 @pytest.mark.parametrize("level,reduction", LEVEL_REDUCTIONS, ids=lambda x: _name(x))
@@ -184,7 +186,7 @@ def _run_grpo(monkeypatch, b, loss_type, level, beta, eps, has_old, has_ref, n_i
         num_items_in_batch=n_items,
     )
     label = f"grpo {_name(loss_type)} {_name(level)} beta={beta} old={has_old} ref={has_ref}"
-    _check(label, triton_out, cpu_out, want)
+    _check(label, triton_out, want, cpu_out)
 
 
 @pytest.mark.parametrize("unbiased", [True, False], ids=["unbiased", "biased"])
@@ -212,11 +214,7 @@ def _run_gift(monkeypatch, b, detach, unbiased, beta):
         unbiased=unbiased,
         detach_stats=detach,
     )
-    # The PyTorch path is no judge where its fp32 loses accuracy: flat fp32 reward groups (see
-    # _cpu_group_zscore_is_exact) and the G = 2 through-σ slope (see the G = 2 test below).
-    cpu_ok = _cpu_group_zscore_is_exact(b.rewards, G) and (detach or G != 2)
-    wants = (cpu_out, want) if cpu_ok else (want,)
-    _check(f"gift detach={detach} unbiased={unbiased}", triton_out, *wants, rtol=1e-4)
+    _check(f"gift detach={detach} unbiased={unbiased}", triton_out, want, cpu_out, rtol=1e-4)
 
 
 @pytest.mark.parametrize("divergence", DIVS, ids=_name)
@@ -235,7 +233,7 @@ def test_fdo_matches(monkeypatch, divergence, b, beta):
         divergence=divergence,
         beta=beta,
     )
-    _check(f"fdo {_name(divergence)}", triton_out, cpu_out, want)
+    _check(f"fdo {_name(divergence)}", triton_out, want, cpu_out)
 
 
 # ----------------------------------------------------------------------------- loops over T
@@ -335,7 +333,7 @@ def test_gift_zero_variance_groups_and_groups_of_one(monkeypatch, detach, eps):
             R.gift_loss, lp, ref_logps=ref, rewards=rewards, mask=mask, num_generations=G,
             beta=1.0, eps=eps, detach_stats=detach,
         )  # fmt: skip
-        _check(f"gift G={G} eps={eps} detach={detach}", triton_out, cpu_out, want, rtol=1e-4)
+        _check(f"gift G={G} eps={eps} detach={detach}", triton_out, want, cpu_out, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------- regressions
@@ -422,3 +420,24 @@ def test_gift_two_generations_through_stats_in_float64(monkeypatch):
             num_generations=2, beta=opts.beta, detach_stats=False,
         )  # fmt: skip
         _check(f"gift G=2 trial {trial}", got, want, rtol=1e-5)
+
+
+def test_long_log_prob_sums_are_exact():
+    """Σ_t m·(logp − ref) and S_j = Σ_t m·old run to a thousand over 64 tokens at spread 40;
+    exp(β·Σ) in φ and softmax_j(R_j − S_j) in the IS weights feel their absolute error. Summed
+    in fp32 the epilogue was 1.8e-5 off here (the PyTorch path 2.1e-5); in float64, 1.4e-6."""
+    g = torch.Generator().manual_seed(8)
+    for trial in range(12):
+        G, T = (2, 3, 4)[trial % 3], 64
+        shape = (3 * G, T)
+        lp, ref = -torch.rand(shape, generator=g) * 40, -torch.rand(shape, generator=g) * 40
+        mask, rewards = torch.rand(shape, generator=g) > 0.2, torch.randn(3 * G, generator=g)
+        old = -torch.rand(shape, generator=g) * 40
+        b = _batch(lp, ref, mask, None, rewards, G, old=old)
+        args, want = _fgrpo_case(
+            b, Divergence.KL, E.Level.SEQUENCE, E.Reduction.SEQ_MEAN, "rewards_group", True, 1.0
+        )
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FGRPO_BACKEND", "triton")
+            got = E.fgrpo(*args)
+        _check(f"fgrpo KL sequence IS, trial {trial}", got, want)

@@ -62,20 +62,25 @@ def tl_row_sums(
     BLOCK_G: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Per-row Σ_t m·(x − y) (Σ_t m·x without y), L = Σ_t m and Σ_t m·z, each [BLOCK_G]."""
-    s_xy = tl.zeros([BLOCK_G], dtype=tl.float32)
-    s_m = tl.zeros([BLOCK_G], dtype=tl.float32)
-    s_z = tl.zeros([BLOCK_G], dtype=tl.float32)
+    """Per-row Σ_t m·(x − y) (Σ_t m·x without y), L = Σ_t m and Σ_t m·z, each [BLOCK_G]
+    float64.
+
+    NB: a sum of T log-probs is hundreds, and what uses it is sensitive to its absolute error:
+    exp(β·Σ) in φ, softmax_j(R_j − S_j) in the IS weights. Summed in fp32 it is off by ulps of
+    the total (3e-5 relative in the IS weights seen); in float64 it is exact to fp32 inputs."""
+    s_xy = tl.zeros([BLOCK_G], dtype=tl.float64)
+    s_m = tl.zeros([BLOCK_G], dtype=tl.float64)
+    s_z = tl.zeros([BLOCK_G], dtype=tl.float64)
     for t0 in range(0, T, BLOCK_T):
         offs, ok = tl_tile(base, row_ok, t0, T, BLOCK_T)
         m = tl_load_mask(mask_ptr, offs, ok)
-        d = tl_load(x_ptr, offs, ok)
+        d = tl_load(x_ptr, offs, ok).to(tl.float64)
         if HAS_Y:
-            d = d - tl_load(y_ptr, offs, ok)
+            d = d - tl_load(y_ptr, offs, ok).to(tl.float64)
         s_xy += tl.sum(tl.where(m, d, 0.0), axis=1)
-        s_m += tl.sum(m.to(tl.float32), axis=1)
+        s_m += tl.sum(m.to(tl.float64), axis=1)
         if HAS_Z:
-            s_z += tl.sum(tl.where(m, tl_load(z_ptr, offs, ok), 0.0), axis=1)
+            s_z += tl.sum(tl.where(m, tl_load(z_ptr, offs, ok).to(tl.float64), 0.0), axis=1)
     return s_xy, s_m, s_z
 
 

@@ -28,11 +28,12 @@ from .epilogue_common import (
 
 @triton.jit
 def tl_group_is_weights(rewards, seq_old, positive, row_ok, n):
-    """w_i = n·softmax_j(s_i·R_j − S_j)_i over the group, s_i = +1 where `positive` else −1."""
+    """w_i = n·softmax_j(s_i·R_j − S_j)_i over the group, s_i = +1 where `positive` else −1;
+    R, S float64 (the logits are shifted by their max in float64, exponentiated in fp32)."""
     z_pos = tl.where(row_ok, rewards - seq_old, -float("inf"))
     z_neg = tl.where(row_ok, -rewards - seq_old, -float("inf"))
-    e_pos = tl.exp(z_pos - tl.max(z_pos, axis=0))
-    e_neg = tl.exp(z_neg - tl.max(z_neg, axis=0))
+    e_pos = tl.exp((z_pos - tl.max(z_pos, axis=0)).to(tl.float32))
+    e_neg = tl.exp((z_neg - tl.max(z_neg, axis=0)).to(tl.float32))
     w_pos = e_pos / tl.sum(e_pos, axis=0)
     w_neg = e_neg / tl.sum(e_neg, axis=0)
     return n * tl.where(positive, w_pos, w_neg)
@@ -72,9 +73,9 @@ def _fgrpo_epilogue_kernel(
     # IS_i = G·softmax_j(s_i·R_j − S_j)_i, S_j = Σ_t m·old (detached). ROW_MEAN: norm/max(L_i,1).
     rows, row_ok, base = tl_rows(B, T, ROWS, BLOCK_G)
     NEED_SUMS: tl.constexpr = SEQUENCE_LEVEL or ROW_MEAN or HAS_IS_WEIGHTS
-    seq = tl.zeros([BLOCK_G], dtype=tl.float32)
-    length = tl.zeros([BLOCK_G], dtype=tl.float32)
-    seq_old = tl.zeros([BLOCK_G], dtype=tl.float32)
+    seq = tl.zeros([BLOCK_G], dtype=tl.float64)
+    length = tl.zeros([BLOCK_G], dtype=tl.float64)
+    seq_old = tl.zeros([BLOCK_G], dtype=tl.float64)
     if NEED_SUMS:
         seq, length, seq_old = tl_row_sums(
             logp_ptr, ref_ptr, old_ptr, mask_ptr, base, row_ok, T, True, HAS_IS_WEIGHTS,
@@ -97,17 +98,17 @@ def _fgrpo_epilogue_kernel(
     positive = a > 0
     weight = tl.abs(a) * tl.load(norm_ptr)
     if HAS_IS_WEIGHTS:
-        is_w = tl_group_is_weights(rewards.to(tl.float32), seq_old, positive, row_ok, ROWS)
+        is_w = tl_group_is_weights(rewards, seq_old, positive, row_ok, ROWS)
         weight = weight * is_w
     weight = tl.where(row_ok, weight, 0.0)
 
     if SEQUENCE_LEVEL:
-        value, slope = tl_phi(beta * seq, positive, DIVERGENCE)
+        value, slope = tl_phi((beta * seq).to(tl.float32), positive, DIVERGENCE)
         tl.store(partial_ptr + tl.program_id(0), tl.sum(weight * value, axis=0))
         tl_store_row_grad(dlogp_ptr, mask_ptr, base, row_ok, weight * slope * beta, T, BLOCK_T)
     else:
         if ROW_MEAN:
-            weight = weight / tl.maximum(length, 1.0)
+            weight = weight / tl.maximum(length.to(tl.float32), 1.0)
         acc = tl.zeros([BLOCK_G, BLOCK_T], dtype=tl.float32)
         for t0 in range(0, T, BLOCK_T):
             offs, ok = tl_tile(base, row_ok, t0, T, BLOCK_T)

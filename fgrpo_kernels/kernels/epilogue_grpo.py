@@ -66,14 +66,14 @@ def _grpo_epilogue_kernel(
         seq, length, _ = tl_row_sums(
             logp_ptr, old_ptr, old_ptr, mask_ptr, base, row_ok, T, HAS_OLD, False, BLOCK_G, BLOCK_T
         )
+        length = length.to(tl.float32)
         if ROW_MEAN:
             n = n / tl.maximum(length, 1.0)
         if SEQUENCE_LEVEL:
             if not HAS_OLD:
-                seq = tl.zeros([BLOCK_G], dtype=tl.float32)
-            row_pt, row_slope = tl_clipped_surrogate(
-                seq / tl.maximum(length, 1.0), a, clip_low, clip_high
-            )
+                seq = tl.zeros([BLOCK_G], dtype=tl.float64)
+            log_ratio = (seq / tl.maximum(length, 1.0)).to(tl.float32)
+            row_pt, row_slope = tl_clipped_surrogate(log_ratio, a, clip_low, clip_high)
     n = tl.where(row_ok, n, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_T], dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
