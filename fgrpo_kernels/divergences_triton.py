@@ -89,6 +89,14 @@ def tl_tanh(x):
     return tl.where(x < 0, -t, t)
 
 
+@triton.jit
+def tl_sech2(x):
+    """sech² x = 4e/(1 + e)², e = e^(−2|x|): keeps its relative precision where 1 − tanh² x
+    would cancel (|x| ≳ 4 in fp32)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    return 4.0 * e / ((1.0 + e) * (1.0 + e))
+
+
 # ----------------------------------------------------------------------------- the twins
 
 
@@ -150,14 +158,12 @@ def _js_neg(r):
 
 @triton.jit
 def _tv_pos(r):
-    t = tl_tanh(r)
-    return -0.5 * t, -0.5 * (1.0 - t * t)
+    return -0.5 * tl_tanh(r), -0.5 * tl_sech2(r)
 
 
 @triton.jit
 def _tv_neg(r):
-    t = tl_tanh(r)
-    return 0.5 * t, 0.5 * (1.0 - t * t)
+    return 0.5 * tl_tanh(r), 0.5 * tl_sech2(r)
 
 
 TWINS: dict[Divergence, tuple[triton.JITFunction, triton.JITFunction]] = {

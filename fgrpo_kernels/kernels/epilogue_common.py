@@ -7,6 +7,8 @@ no group statistic is needed), held as a [BLOCK_G] vector; per-token tensors are
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -60,20 +62,25 @@ def tl_row_sums(
     BLOCK_G: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """Per-row Σ_t m·(x − y) (Σ_t m·x without y), L = Σ_t m and Σ_t m·z, each [BLOCK_G]."""
-    s_xy = tl.zeros([BLOCK_G], dtype=tl.float32)
-    s_m = tl.zeros([BLOCK_G], dtype=tl.float32)
-    s_z = tl.zeros([BLOCK_G], dtype=tl.float32)
+    """Per-row Σ_t m·(x − y) (Σ_t m·x without y), L = Σ_t m and Σ_t m·z, each [BLOCK_G]
+    float64.
+
+    NB: a sum of T log-probs is hundreds, and what uses it is sensitive to its absolute error:
+    exp(β·Σ) in φ, softmax_j(R_j − S_j) in the IS weights. Summed in fp32 it is off by ulps of
+    the total (3e-5 relative in the IS weights seen); in float64 it is exact to fp32 inputs."""
+    s_xy = tl.zeros([BLOCK_G], dtype=tl.float64)
+    s_m = tl.zeros([BLOCK_G], dtype=tl.float64)
+    s_z = tl.zeros([BLOCK_G], dtype=tl.float64)
     for t0 in range(0, T, BLOCK_T):
         offs, ok = tl_tile(base, row_ok, t0, T, BLOCK_T)
         m = tl_load_mask(mask_ptr, offs, ok)
-        d = tl_load(x_ptr, offs, ok)
+        d = tl_load(x_ptr, offs, ok).to(tl.float64)
         if HAS_Y:
-            d = d - tl_load(y_ptr, offs, ok)
+            d = d - tl_load(y_ptr, offs, ok).to(tl.float64)
         s_xy += tl.sum(tl.where(m, d, 0.0), axis=1)
-        s_m += tl.sum(m.to(tl.float32), axis=1)
+        s_m += tl.sum(m.to(tl.float64), axis=1)
         if HAS_Z:
-            s_z += tl.sum(tl.where(m, tl_load(z_ptr, offs, ok), 0.0), axis=1)
+            s_z += tl.sum(tl.where(m, tl_load(z_ptr, offs, ok).to(tl.float64), 0.0), axis=1)
     return s_xy, s_m, s_z
 
 
@@ -88,21 +95,19 @@ def tl_store_row_grad(dlogp_ptr, mask_ptr, base, row_ok, coef, T, BLOCK_T: tl.co
 
 @triton.jit
 def tl_group_center(x, ok, n, dof):
-    """Centred values c = x − μ and σ = sqrt(Σ c² / dof) of the group `ok` (n members), in the
-    dtype of x (the kernels pass float64: O(G) work per program).
+    """Centred values c = x − μ and σ = sqrt(Σ c² / dof) of the group `ok` (n members).
 
-    NB: μ is taken about the first member, so a flat group centres to exactly 0 (a plain Σx/n
-    is off by an ulp for n = 3, 5, 6, 7, which (x − μ)/(σ + eps) then blows up to ~1e-3)."""
-    x0 = tl.sum(tl.where(tl.arange(0, x.shape[0]) == 0, x, 0.0), axis=0)
-    mu = x0 + tl.sum(tl.where(ok, x - x0, 0.0), axis=0) / n
+    NB: the kernels pass float64 (O(G) work per program). A flat group of fp32 rewards then
+    centres to exactly 0, where an fp32 Σx/n is off by an ulp for n = 3, 5, 6, 7 and
+    (x − μ)/(σ + eps) blows that up to ~1e-3."""
+    mu = tl.sum(tl.where(ok, x, 0.0), axis=0) / n
     c = tl.where(ok, x - mu, 0.0)
     var = tl.sum(c * c, axis=0) / dof
     if x.dtype == tl.float64:
         root = tl.sqrt(tl.maximum(var, 0.0))  # sqrt.rn.f64: fp64 square roots are exact
     else:
         root = tl.sqrt_rn(tl.maximum(var, 0.0))
-    sigma = tl.where(var > 0, root, 0.0)
-    return c, sigma
+    return c, tl.where(var > 0, root, 0.0)
 
 
 @triton.jit
@@ -152,6 +157,24 @@ def dof(n: int, unbiased: bool) -> float:
     return float(max(n - 1 if unbiased else n, 1))
 
 
-def finish(partial: torch.Tensor) -> torch.Tensor:
-    """The loss: the per-program partial sums added in torch (deterministic, no atomics)."""
-    return partial.sum()
+@dataclass(frozen=True)
+class Plan:
+    """One launch: the grid, the outputs (dL/dlogp [B, T] and one partial loss per program)
+    and the tile meta-parameters (BLOCK_G, BLOCK_T, num_warps)."""
+
+    grid: tuple[int]
+    dlogp: torch.Tensor
+    partial: torch.Tensor
+    meta: dict
+
+    @staticmethod
+    def of(B: int, T: int, rows: int, device: torch.device) -> Plan:
+        block_g, block_t = blocks(rows, T)
+        grid = (triton.cdiv(B, rows),)
+        meta = {"BLOCK_G": block_g, "BLOCK_T": block_t, "num_warps": num_warps(block_g, block_t)}
+        dlogp = torch.empty((B, T), dtype=torch.float32, device=device)
+        return Plan(grid, dlogp, torch.empty(grid[0], dtype=torch.float32, device=device), meta)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, dL/dlogp): the partial sums added in torch (deterministic, no atomics)."""
+        return self.partial.sum(), self.dlogp

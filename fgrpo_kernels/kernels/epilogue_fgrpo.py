@@ -9,12 +9,10 @@ import triton.language as tl
 from ..divergences_triton import tl_phi
 from ..epilogue import FGRPOOptions, Level, Reduction, Scale
 from .epilogue_common import (
-    blocks,
+    Plan,
     contiguous,
     device_scalar,
     dof,
-    finish,
-    num_warps,
     row_block,
     tl_group_center,
     tl_group_zscore,
@@ -30,11 +28,12 @@ from .epilogue_common import (
 
 @triton.jit
 def tl_group_is_weights(rewards, seq_old, positive, row_ok, n):
-    """w_i = n·softmax_j(s_i·R_j − S_j)_i over the group, s_i = +1 where `positive` else −1."""
+    """w_i = n·softmax_j(s_i·R_j − S_j)_i over the group, s_i = +1 where `positive` else −1;
+    R, S float64 (the logits are shifted by their max in float64, exponentiated in fp32)."""
     z_pos = tl.where(row_ok, rewards - seq_old, -float("inf"))
     z_neg = tl.where(row_ok, -rewards - seq_old, -float("inf"))
-    e_pos = tl.exp(z_pos - tl.max(z_pos, axis=0))
-    e_neg = tl.exp(z_neg - tl.max(z_neg, axis=0))
+    e_pos = tl.exp((z_pos - tl.max(z_pos, axis=0)).to(tl.float32))
+    e_neg = tl.exp((z_neg - tl.max(z_neg, axis=0)).to(tl.float32))
     w_pos = e_pos / tl.sum(e_pos, axis=0)
     w_neg = e_neg / tl.sum(e_neg, axis=0)
     return n * tl.where(positive, w_pos, w_neg)
@@ -74,9 +73,9 @@ def _fgrpo_epilogue_kernel(
     # IS_i = G·softmax_j(s_i·R_j − S_j)_i, S_j = Σ_t m·old (detached). ROW_MEAN: norm/max(L_i,1).
     rows, row_ok, base = tl_rows(B, T, ROWS, BLOCK_G)
     NEED_SUMS: tl.constexpr = SEQUENCE_LEVEL or ROW_MEAN or HAS_IS_WEIGHTS
-    seq = tl.zeros([BLOCK_G], dtype=tl.float32)
-    length = tl.zeros([BLOCK_G], dtype=tl.float32)
-    seq_old = tl.zeros([BLOCK_G], dtype=tl.float32)
+    seq = tl.zeros([BLOCK_G], dtype=tl.float64)
+    length = tl.zeros([BLOCK_G], dtype=tl.float64)
+    seq_old = tl.zeros([BLOCK_G], dtype=tl.float64)
     if NEED_SUMS:
         seq, length, seq_old = tl_row_sums(
             logp_ptr, ref_ptr, old_ptr, mask_ptr, base, row_ok, T, True, HAS_IS_WEIGHTS,
@@ -99,17 +98,17 @@ def _fgrpo_epilogue_kernel(
     positive = a > 0
     weight = tl.abs(a) * tl.load(norm_ptr)
     if HAS_IS_WEIGHTS:
-        is_w = tl_group_is_weights(rewards.to(tl.float32), seq_old, positive, row_ok, ROWS)
+        is_w = tl_group_is_weights(rewards, seq_old, positive, row_ok, ROWS)
         weight = weight * is_w
     weight = tl.where(row_ok, weight, 0.0)
 
     if SEQUENCE_LEVEL:
-        value, slope = tl_phi(beta * seq, positive, DIVERGENCE)
+        value, slope = tl_phi((beta * seq).to(tl.float32), positive, DIVERGENCE)
         tl.store(partial_ptr + tl.program_id(0), tl.sum(weight * value, axis=0))
         tl_store_row_grad(dlogp_ptr, mask_ptr, base, row_ok, weight * slope * beta, T, BLOCK_T)
     else:
         if ROW_MEAN:
-            weight = weight / tl.maximum(length, 1.0)
+            weight = weight / tl.maximum(length.to(tl.float32), 1.0)
         acc = tl.zeros([BLOCK_G, BLOCK_T], dtype=tl.float32)
         for t0 in range(0, T, BLOCK_T):
             offs, ok = tl_tile(base, row_ok, t0, T, BLOCK_T)
@@ -142,11 +141,8 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
         r = rewards.float()
         sigma = r.std(correction=int(opts.unbiased)) if B > 1 else r.new_zeros(())
         sigma = sigma.reshape(1)
-    block_g, block_t = blocks(rows, T)
-    grid = (triton.cdiv(B, rows),)
-    dlogp = torch.empty((B, T), dtype=torch.float32, device=logps.device)
-    partial = torch.empty(grid[0], dtype=torch.float32, device=logps.device)
-    _fgrpo_epilogue_kernel[grid](
+    plan = Plan.of(B, T, rows, logps.device)
+    _fgrpo_epilogue_kernel[plan.grid](
         logps,
         ref_logps,
         mask,
@@ -155,8 +151,8 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
         contiguous(old_logps) if opts.group_is_weights else None,
         _norm(mask, B, opts),
         sigma,
-        dlogp,
-        partial,
+        plan.dlogp,
+        plan.partial,
         B,
         T,
         rows,
@@ -169,8 +165,6 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
         HAS_ADVANTAGES=advantages is not None,
         SCALE=int(opts.scale),
         HAS_IS_WEIGHTS=bool(opts.group_is_weights),
-        BLOCK_G=block_g,
-        BLOCK_T=block_t,
-        num_warps=num_warps(block_g, block_t),
+        **plan.meta,
     )
-    return finish(partial), dlogp
+    return plan.result()

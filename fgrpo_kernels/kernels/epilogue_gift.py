@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from ..epilogue import GIFTOptions
 from .epilogue_common import (
-    blocks,
+    Plan,
     contiguous,
     dof,
-    finish,
-    num_warps,
     tl_group_zscore,
     tl_row_sums,
     tl_rows,
@@ -43,7 +40,8 @@ def _gift_epilogue_kernel(
     # k_i = Σ_t m·(logp − ref); k̂ = c/D, c = k − μ_g, D = σ_g + eps; R̂ likewise (constant);
     # loss = Σ_i (R̂_i − β·k̂_i)² / B, g_i = dL/dk̂_i = −2β·(R̂_i − β·k̂_i) / B;
     # detached μ, σ:  dL/dk_j = g_j / D;
-    # through them:   dL/dk_j = (g_j − ḡ)/D − (Σ_i g_i·c_i)/D² · c_j/(dof·σ)  (0 where σ = 0);
+    # through them:   dL/dk_j = (g_j − ḡ)/D − (Σ_i g_i·c_i)/D² · c_j/(dof·σ)  (0 where σ = 0),
+    #   with ḡ = 0: R̂ and k̂ are both centred, so Σ_i g_i = 0;
     # dL/dlogp[j,t] = dL/dk_j · m[j,t]. The group math runs in float64 (O(G) per program).
     rows, row_ok, base = tl_rows(B, T, ROWS, BLOCK_G)
     k, _, _ = tl_row_sums(
@@ -62,9 +60,8 @@ def _gift_epilogue_kernel(
     if DETACH_STATS:
         dk = g * inv_d
     else:
-        g_mean = tl.sum(g, axis=0) / ROWS
         through_sigma = tl.sum(g * c, axis=0) * inv_d * inv_d * c * tl_safe_inv(var_dof * sigma)
-        dk = tl.where(row_ok, (g - g_mean) * inv_d - through_sigma, 0.0)
+        dk = tl.where(row_ok, g * inv_d - through_sigma, 0.0)
     tl_store_row_grad(dlogp_ptr, mask_ptr, base, row_ok, dk.to(tl.float32), T, BLOCK_T)
 
 
@@ -74,17 +71,14 @@ def gift(logps, ref_logps, mask, rewards, opts: GIFTOptions):
     rewards [B]; groups of opts.num_generations contiguous rows, one program each."""
     B, T = logps.shape
     rows = opts.num_generations
-    block_g, block_t = blocks(rows, T)
-    grid = (triton.cdiv(B, rows),)
-    dlogp = torch.empty((B, T), dtype=torch.float32, device=logps.device)
-    partial = torch.empty(grid[0], dtype=torch.float32, device=logps.device)
-    _gift_epilogue_kernel[grid](
+    plan = Plan.of(B, T, rows, logps.device)
+    _gift_epilogue_kernel[plan.grid](
         contiguous(logps),
         contiguous(ref_logps),
         contiguous(mask),
         contiguous(rewards),
-        dlogp,
-        partial,
+        plan.dlogp,
+        plan.partial,
         B,
         T,
         rows,
@@ -93,8 +87,6 @@ def gift(logps, ref_logps, mask, rewards, opts: GIFTOptions):
         dof(rows, opts.unbiased),
         1.0 / B,
         DETACH_STATS=bool(opts.detach_stats),
-        BLOCK_G=block_g,
-        BLOCK_T=block_t,
-        num_warps=num_warps(block_g, block_t),
+        **plan.meta,
     )
-    return finish(partial), dlogp
+    return plan.result()

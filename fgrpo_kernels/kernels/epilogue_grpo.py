@@ -9,11 +9,9 @@ import triton.language as tl
 from ..divergences_triton import tl_sat_exp
 from ..epilogue import GRPOOptions, Level, LossType
 from .epilogue_common import (
-    blocks,
+    Plan,
     contiguous,
     device_scalar,
-    finish,
-    num_warps,
     row_block,
     tl_load,
     tl_load_mask,
@@ -68,14 +66,14 @@ def _grpo_epilogue_kernel(
         seq, length, _ = tl_row_sums(
             logp_ptr, old_ptr, old_ptr, mask_ptr, base, row_ok, T, HAS_OLD, False, BLOCK_G, BLOCK_T
         )
+        length = length.to(tl.float32)
         if ROW_MEAN:
             n = n / tl.maximum(length, 1.0)
         if SEQUENCE_LEVEL:
             if not HAS_OLD:
-                seq = tl.zeros([BLOCK_G], dtype=tl.float32)
-            row_pt, row_slope = tl_clipped_surrogate(
-                seq / tl.maximum(length, 1.0), a, clip_low, clip_high
-            )
+                seq = tl.zeros([BLOCK_G], dtype=tl.float64)
+            log_ratio = (seq / tl.maximum(length, 1.0)).to(tl.float32)
+            row_pt, row_slope = tl_clipped_surrogate(log_ratio, a, clip_low, clip_high)
     n = tl.where(row_ok, n, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_T], dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
@@ -123,19 +121,16 @@ def grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts
     logps, mask = contiguous(logps), contiguous(mask)
     has_kl = ref_logps is not None and opts.beta != 0.0
     rows = row_block(B, T)
-    block_g, block_t = blocks(rows, T)
-    grid = (triton.cdiv(B, rows),)
-    dlogp = torch.empty((B, T), dtype=torch.float32, device=logps.device)
-    partial = torch.empty(grid[0], dtype=torch.float32, device=logps.device)
-    _grpo_epilogue_kernel[grid](
+    plan = Plan.of(B, T, rows, logps.device)
+    _grpo_epilogue_kernel[plan.grid](
         logps,
         contiguous(old_logps),
         contiguous(ref_logps) if has_kl else None,
         mask,
         contiguous(advantages),
         _norm(mask, B, T, num_items_in_batch, opts),
-        dlogp,
-        partial,
+        plan.dlogp,
+        plan.partial,
         B,
         T,
         rows,
@@ -146,8 +141,6 @@ def grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts
         ROW_MEAN=opts.loss_type == LossType.GRPO,
         HAS_OLD=old_logps is not None,
         HAS_KL=has_kl,
-        BLOCK_G=block_g,
-        BLOCK_T=block_t,
-        num_warps=num_warps(block_g, block_t),
+        **plan.meta,
     )
-    return finish(partial), dlogp
+    return plan.result()
