@@ -116,9 +116,15 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
             std::memset(zr, 0, sizeof(float) * scols);
             continue;
           }
-          row_grad(zr, b == nullptr ? nullptr : b + s0, scols, lse[n], ca[n], cc[n]);
           const int64_t local = y[n] - s0;
-          if (local >= 0 && local < scols && y[n] != ignore_index) zr[local] += cy[n];
+          const bool hit = local >= 0 && local < scols && y[n] != ignore_index;
+          const float u_y = hit ? zr[local] + (b != nullptr ? b[s0 + local] : 0.f) - lse[n] : 0.f;
+          row_grad(zr, b == nullptr ? nullptr : b + s0, scols, lse[n], ca[n], cc[n]);
+          // NB: the target's g·(1 − p_y)/τ as −(g/τ)·expm1(u_y): a near-certain target keeps
+          // its precision (1 − p_y would cancel).
+          if (hit) {
+            zr[local] = -cy[n] * std::expm1(u_y) + std::exp(u_y) * (ca[n] + cy[n] + cc[n] * u_y);
+          }
         }
         if (need_h) gemm_nn(rows, H, scols, 1.f, dz, SUPER_V, w, H, 1.f, dhs + n0 * H, H);
       });

@@ -46,7 +46,9 @@ def _compare(lb, module_fn, reference_fn, tol, label, tau=1.0, grad_floor=1e-6):
     want = reference_fn(logps)
     grads = torch.autograd.grad(loss, ours_in)
     want_grads = torch.autograd.grad(want, ref_in)
-    errs = {"loss": rel_error(loss, want, 1e-3)}
+    # A loss whose terms cancel (FDO's two pools, ±advantages) keeps fp32's absolute error of
+    # the summed log-ratios: compared absolutely below 0.1.
+    errs = {"loss": rel_error(loss, want, 0.1)}
     for name, g, w in zip(("hidden", "weight", "bias"), grads, want_grads):
         assert torch.isfinite(g).all(), f"{label}: d/d{name} not finite"
         errs[f"d/d{name}"] = rel_error(g, w, grad_floor)

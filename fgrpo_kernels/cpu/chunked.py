@@ -85,7 +85,8 @@ def logprob_bwd(
 ):
     """Gradients (dhidden, dweight, dbias) of Σ g·logp + Σ g_H·entropy; None where not needed.
 
-    dz = (g·(onehot − p) − g_H·p·(z − lse + H)) / τ per logits tile.
+    dz = (g·(onehot − p) − g_H·p·(z − lse + H)) / τ per logits tile; at the target column
+    g·(1 − p_y) is taken as −g·expm1(z_y − lse).
     """
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     N, V = hidden.shape[0], weight.shape[0]
@@ -108,14 +109,16 @@ def logprob_bwd(
         for v0 in range(0, V, VOCAB_CHUNK):
             v1 = min(v0 + VOCAB_CHUNK, V)
             z = _logits_tile(h, weight, bias, v0, v1, inv_t)
-            p = torch.exp(z - row_lse)
+            u = z - row_lse
+            p = torch.exp(u)
             dz = p * -gn[:, None]
-            if g_ent is not None:
-                dz -= g_ent[n0:n1, None] * p * (z - row_lse + entropy[n0:n1, None])
             local = y - v0
             hit = valid[n0:n1] & (local >= 0) & (local < v1 - v0)
             rows = torch.nonzero(hit)[:, 0]
-            dz[rows, local[rows]] += gn[rows]
+            # NB: g·(1 − p_y) as −g·expm1(u_y): a near-certain target keeps its precision.
+            dz[rows, local[rows]] = -gn[rows] * torch.expm1(u[rows, local[rows]])
+            if g_ent is not None:
+                dz -= g_ent[n0:n1, None] * p * (u + entropy[n0:n1, None])
             dz.mul_(inv_t)
             if need_h:
                 dh[n0:n1] += dz @ weight[v0:v1].to(acc)

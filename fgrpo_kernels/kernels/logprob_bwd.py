@@ -19,6 +19,7 @@ import triton.language as tl
 from ..options import LogProbOptions
 from . import configs
 from .launch import check_dtypes, dot_flags, interpreted
+from ..divergences_triton import tl_expm1
 from .tl_utils import tl_block_start, tl_local_index, tl_logits_tile
 
 
@@ -71,14 +72,16 @@ def _logprob_bwd_kernel(
         h_ptr, w_ptr, b_ptr, n0, v0, N, V, H, stride_hn, stride_wv, inv_t,
         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, UPCAST_DOT, DOT_PRECISION,
     )  # fmt: skip
-    p = tl.exp(z - lse[:, None])
+    u = z - lse[:, None]
+    p = tl.exp(u)
     hit = cols[None, :] == tl_local_index(y, v0, BLOCK_V)[:, None]
-    dz = tl.where(hit, g[:, None], 0.0) - g[:, None] * p
+    # NB: the target's g·(1 − p_y) as −g·expm1(u_y): a near-certain target keeps its precision.
+    dz = -g[:, None] * tl.where(hit, tl_expm1(u), p)
     if HAS_GRAD_ENTROPY:
         g_ent = tl.load(g_ent_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
         g_ent = tl.where(valid, g_ent, 0.0)
         ent = tl.load(ent_ptr + n0 + rows, mask=mask_n, other=0.0)
-        dz -= g_ent[:, None] * p * (z - lse[:, None] + ent[:, None])
+        dz -= g_ent[:, None] * p * (u + ent[:, None])
     dz_ptrs = dz_ptr + n0 * stride_dz + (v0 - v_begin) + (rows[:, None] * stride_dz + cols[None, :])
     mask = mask_n[:, None] & (cols < (v_end - v0).to(tl.int32))[None, :]
     tl.store(dz_ptrs, (dz * inv_t).to(dz_ptr.dtype.element_ty), mask=mask)
