@@ -65,7 +65,8 @@ def _liger(lb, loss_type, level, beta, temperature):
 def test_grpo_loss_equals_liger(loss_type, level, beta, lb, temperature):
     ours, ours_g = _ours(lb, loss_type, level, beta, temperature)
     theirs, theirs_g = _liger(lb, loss_type, level, beta, temperature)
-    errs = {"loss": rel_error(ours, theirs, 1e-6)}
+    # a loss that cancels to ~0 keeps fp32 absolute error: compared absolutely below 0.1
+    errs = {"loss": rel_error(ours, theirs, 0.1)}
     errs.update(
         {
             n: rel_error(a, b, 1e-6)
