@@ -7,7 +7,7 @@ for the GRPO impls, token-level Pearson f-GRPO (β 0.1) for the f-GRPO ones.
 
 - eager_*: `fgrpo_kernels.reference` (materialises the fp32 [N, V] logits on purpose);
 - compile_*: `torch.compile` of the same eager function;
-- liger_grpo: Liger-Kernel's chunked `LigerFusedLinearGRPOLoss` (one completion per chunk);
+- liger_grpo: Liger-Kernel's chunked `LigerFusedLinearGRPOLoss` (a completion per chunk, tiled);
 - liger_triton_grpo: Liger's Triton `triton_grpo_loss` on materialised bf16 logits (CUDA);
 - cce_logprobs: cut-cross-entropy's `linear_cross_entropy(reduction="none")` (CUDA, optional);
 - ours_*: the public fused modules of this package.
