@@ -5,6 +5,7 @@ Out-of-memory points are drawn as crosses along the top edge of their panel.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from .impls import ORDER
@@ -27,8 +28,12 @@ def _series(rows: list[dict]) -> dict[tuple, list[dict]]:
 
 
 def plot(rows: list[dict], out_dir: Path, title: str = "") -> list[Path]:
-    """Write the two figures into `out_dir`; returns their paths."""
-    import matplotlib
+    """Write the two figures into `out_dir`; returns their paths (none without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("fgrpo bench: matplotlib is not installed, no plots", file=sys.stderr)
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
