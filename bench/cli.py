@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from .presets import PASSES, PRESETS, Case, default_preset
+from .presets import PASSES, PRESETS, Case, Preset, default_preset
 
 GPU_PEAK_TFLOPS = 790.0  # H200 dense bf16
 
@@ -49,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-time", type=float, help="stop repeating after this many timed s")
     p.add_argument("--timeout", type=float, help="seconds per CPU case before a timeout row")
     p.add_argument("--max-mem-gib", type=float, help="CPU: cap each case's extra memory")
+    p.add_argument("--budget-s", type=float, help="skip the remaining cases after this many s")
+    p.add_argument(
+        "--mmap-threshold-mib",
+        type=float,
+        help="CPU: fix glibc's mmap threshold in the workers, so that RSS follows the live "
+        "tensors instead of the allocator's cache (tiled impls then pay page faults in time)",
+    )
     p.add_argument("--peak-tflops", type=float, help=f"FLOP floor peak (cuda: {GPU_PEAK_TFLOPS})")
     p.add_argument(
         "--isolation",
@@ -59,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
 
 
-def _cases(args) -> tuple[str, list[tuple[Case, bool]]]:
+def _cases(args) -> tuple[Preset, list[tuple[Case, bool]]]:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,7 +76,7 @@ def _cases(args) -> tuple[str, list[tuple[Case, bool]]]:
         if getattr(args, name):
             changes[name] = getattr(args, name)
     for arg, field in (("warmup", "warmup"), ("repeats", "repeats"), ("min_time", "min_time_s"),
-                       ("timeout", "timeout_s")):  # fmt: skip
+                       ("timeout", "timeout_s"), ("budget_s", "budget_s")):  # fmt: skip
         if getattr(args, arg) is not None:
             changes[field] = getattr(args, arg)
     preset = dataclasses.replace(preset, **changes)
@@ -78,7 +85,7 @@ def _cases(args) -> tuple[str, list[tuple[Case, bool]]]:
         for c, runnable in preset.cases()
         if (not args.impls or c.impl in args.impls) and (not args.passes or c.pass_ in args.passes)
     ]
-    return preset.name, cases
+    return preset, cases
 
 
 def command(args) -> str:
@@ -128,7 +135,7 @@ def run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fgrpo bench: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
-    name, cases = _cases(args)
+    preset, cases = _cases(args)
     if args.dry_run:
         for case, runnable in cases:
             print(("" if runnable else "skip ") + case.label())
@@ -139,18 +146,26 @@ def run(args) -> int:
     start = datetime.datetime.now(datetime.timezone.utc)
     meta = {
         "command": command(args),
-        "preset": name,
+        "preset": preset.name,
         "date_utc": start.isoformat(timespec="seconds"),
         "machine": machine(),
         "cpu_backend": fgrpo_kernels.cpu_backend(),
         "fgrpo_kernels": fgrpo_kernels.__version__,
     }
+    if args.mmap_threshold_mib is not None:  # read by glibc at start: set before any worker
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(int(args.mmap_threshold_mib * 2**20))
+        meta["malloc_mmap_threshold"] = os.environ["MALLOC_MMAP_THRESHOLD_"]
     writer = report.CsvWriter(args.out / "results.csv")
     records, bar, t0 = [], _progress(len(cases)), time.perf_counter()
     for i, (case, runnable) in enumerate(cases):
         if bar is not None:
             bar.set_description(case.label())
-        result = measure(case, args.isolation) if runnable else row(case, "skipped", "by preset")
+        late = preset.budget_s is not None and time.perf_counter() - t0 > preset.budget_s
+        if not runnable or late:
+            why = "by preset" if not runnable else f"time budget of {preset.budget_s:.0f} s spent"
+            result = row(case, "skipped", why)
+        else:
+            result = measure(case, args.isolation)
         record = report.flatten(result, peak * 1e12 if peak else None)
         writer.add(record)
         records.append(record)

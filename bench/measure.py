@@ -16,6 +16,7 @@ FGRPO_BENCH_FAKE="oom:IMPL" (or "kill:IMPL", "error:IMPL"; IMPL may be "*") fake
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import json
@@ -183,6 +184,8 @@ def _server() -> multiprocessing.context.BaseContext:
 def _child(case: Case, env: dict, conn) -> None:
     os.environ.clear()
     os.environ.update(env)  # the forkserver's environment is the one it started with
+    if "MALLOC_MMAP_THRESHOLD_" in env:  # glibc read its environment at the server's start
+        ctypes.CDLL(None).mallopt(-3, int(env["MALLOC_MMAP_THRESHOLD_"]))  # -3: M_MMAP_THRESHOLD
     conn.send(measure_here(case))
     conn.close()
 

@@ -62,6 +62,7 @@ class Preset:
     repeats: int = 5
     min_time_s: float = 1.0
     timeout_s: float = 900.0
+    budget_s: float | None = None  # once a run has taken this long, the rest become skipped rows
 
     def cases(self) -> list[tuple[Case, bool]]:
         """(case, runnable) for every size × matrix entry, all impls of a size together (so a
@@ -151,6 +152,7 @@ GPU = Preset(
     repeats=5,
     min_time_s=0.5,
     timeout_s=120.0,
+    budget_s=420.0,  # compile and autotune are the unknowns: stay under 8 minutes whatever
 )
 
 GPU_QUICK = dataclasses.replace(GPU, name="gpu-quick", tokens=(8192, 32768), repeats=3)

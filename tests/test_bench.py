@@ -126,3 +126,11 @@ def test_gpu_preset_dry_run(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "skip eager_grpo fwd+bwd N=65536 V=151936 H=4096" in lines
     assert "ours_grpo fwd+bwd N=131072 V=151936 H=4096" in lines
+
+
+def test_spent_budget_skips_the_rest(tmp_path):
+    out = bench(tmp_path, "--budget-s", "0", "--impls", "ours_grpo,eager_grpo")
+    rows = report.read_csv(out / "results.csv")
+    assert rows and all(r["status"] == "skipped" for r in rows)
+    assert all("time budget" in r["note"] for r in rows)
+    assert (out / "memory.png").read_bytes()[:8] == PNG
