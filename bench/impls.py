@@ -98,6 +98,10 @@ def _ours_logprobs(w: Workload) -> torch.Tensor:
 def _compiled(fn: Step) -> Callable[[str], Step]:
     def build(device: str) -> Step:
         logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # the graph-break notice
+        if device == "cpu":  # NB: a compile-worker pool would outlive the CPU worker process
+            import torch._inductor.config
+
+            torch._inductor.config.compile_threads = 1
         return torch.compile(fn)
 
     return build
