@@ -1,0 +1,186 @@
+"""`fgrpo bench`: memory and speed of ours against eager PyTorch, torch.compile and Liger.
+
+    fgrpo bench --device cpu --quick --out DIR     # 2-core CPU, a few minutes
+    fgrpo bench --device cuda --out DIR            # the H200 preset (bf16, V 151,936, H 4096)
+
+Writes DIR/results.csv, DIR/results.md, DIR/memory.png, DIR/time.png and DIR/meta.json, and
+prints the markdown table. A failed case (oom, timeout, error) is a row, not a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from .presets import PASSES, PRESETS, Case, Preset, default_preset
+
+GPU_PEAK_TFLOPS = 790.0  # H200 dense bf16
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _strs(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.split(",") if x)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
+    p.add_argument("--quick", action="store_true", help="the device's quick preset")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="overrides --quick")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    p.add_argument("--tokens", type=_ints, help="comma list of N (overrides the preset)")
+    p.add_argument("--vocab", type=_ints, help="comma list of V")
+    p.add_argument("--hidden", type=_ints, help="comma list of H")
+    p.add_argument("--dtype", type=_strs, help="comma list: float32, bfloat16, float16")
+    p.add_argument("--impls", type=_strs, help="keep only these impls (comma list)")
+    p.add_argument("--passes", type=_strs, help=f"keep only these of {', '.join(PASSES)}")
+    p.add_argument("--warmup", type=int, help="untimed runs per case")
+    p.add_argument("--repeats", type=int, help="at most this many timed runs per case")
+    p.add_argument("--min-time", type=float, help="stop repeating after this many timed s")
+    p.add_argument("--timeout", type=float, help="seconds per CPU case before a timeout row")
+    p.add_argument("--max-mem-gib", type=float, help="CPU: cap each case's extra memory")
+    p.add_argument("--budget-s", type=float, help="skip the remaining cases after this many s")
+    p.add_argument(
+        "--mmap-threshold-mib",
+        type=float,
+        help="CPU: fix glibc's mmap threshold in the workers, so that RSS follows the live "
+        "tensors instead of the allocator's cache (tiled impls then pay page faults in time)",
+    )
+    p.add_argument("--peak-tflops", type=float, help=f"FLOP floor peak (cuda: {GPU_PEAK_TFLOPS})")
+    p.add_argument(
+        "--isolation",
+        choices=("fork", "exec", "none"),
+        default="fork",
+        help="CPU: fork each case from a preloaded server, exec a fresh python, or run in-process",
+    )
+    p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
+
+
+def _cases(args) -> tuple[Preset, list[tuple[Case, bool]]]:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    preset = PRESETS[args.preset] if args.preset else default_preset(device, args.quick)
+    changes = {"device": device}
+    for name in ("tokens", "vocab", "hidden", "dtype"):
+        if getattr(args, name):
+            changes[name] = getattr(args, name)
+    for arg, field in (("warmup", "warmup"), ("repeats", "repeats"), ("min_time", "min_time_s"),
+                       ("timeout", "timeout_s"), ("budget_s", "budget_s")):  # fmt: skip
+        if getattr(args, arg) is not None:
+            changes[field] = getattr(args, arg)
+    preset = dataclasses.replace(preset, **changes)
+    cases = [
+        (dataclasses.replace(c, max_mem_gib=args.max_mem_gib), runnable)
+        for c, runnable in preset.cases()
+        if (not args.impls or c.impl in args.impls) and (not args.passes or c.pass_ in args.passes)
+    ]
+    return preset, cases
+
+
+def command(args) -> str:
+    """The `fgrpo bench` command line that `args` came from (defaults left out)."""
+    parts = ["fgrpo", "bench"]
+    for key, value in vars(args).items():
+        if value in (None, False) or (key, value) == ("isolation", "fork"):
+            continue
+        parts.append("--" + key.replace("_", "-"))
+        if value is not True:
+            parts.append(",".join(map(str, value)) if isinstance(value, tuple) else str(value))
+    return shlex.join(parts)
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
+    if torch.cuda.is_available():
+        text += f", {torch.cuda.get_device_name()}"
+    return text
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="case", file=sys.stderr, dynamic_ncols=True)
+    except ImportError:
+        return None
+
+
+def run(args) -> int:
+    import torch
+
+    import fgrpo_kernels
+
+    from . import plots, report
+    from .measure import measure, row
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fgrpo bench: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    preset, cases = _cases(args)
+    if args.dry_run:
+        for case, runnable in cases:
+            print(("" if runnable else "skip ") + case.label())
+        return 0
+    device = cases[0][0].device if cases else "cpu"
+    peak = args.peak_tflops or (GPU_PEAK_TFLOPS if device == "cuda" else None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = datetime.datetime.now(datetime.timezone.utc)
+    meta = {
+        "command": command(args),
+        "preset": preset.name,
+        "date_utc": start.isoformat(timespec="seconds"),
+        "machine": machine(),
+        "cpu_backend": fgrpo_kernels.cpu_backend(),
+        "fgrpo_kernels": fgrpo_kernels.__version__,
+    }
+    if args.mmap_threshold_mib is not None:  # read by glibc at start: set before any worker
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(int(args.mmap_threshold_mib * 2**20))
+        meta["malloc_mmap_threshold"] = os.environ["MALLOC_MMAP_THRESHOLD_"]
+    writer = report.CsvWriter(args.out / "results.csv")
+    records, bar, t0 = [], _progress(len(cases)), time.perf_counter()
+    for i, (case, runnable) in enumerate(cases):
+        if bar is not None:
+            bar.set_description(case.label())
+        late = preset.budget_s is not None and time.perf_counter() - t0 > preset.budget_s
+        if not runnable or late:
+            why = "by preset" if not runnable else f"time budget of {preset.budget_s:.0f} s spent"
+            result = row(case, "skipped", why)
+        else:
+            result = measure(case, args.isolation)
+        record = report.flatten(result, peak * 1e12 if peak else None)
+        writer.add(record)
+        records.append(record)
+        if bar is not None:
+            bar.update()
+        else:
+            print(f"[{i + 1}/{len(cases)}] {case.label()}: {record['status']}", file=sys.stderr)
+    if bar is not None:
+        bar.close()
+    meta["wall_s"] = round(time.perf_counter() - t0, 1)
+    table = report.markdown(records)
+    header = f"{meta['command']} — {meta['date_utc']} — {meta['machine']}"
+    (args.out / "results.md").write_text(f"{header}\n\n{table}")
+    (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    plots.plot(records, args.out, title=header)
+    print(table)
+    print(f"{len(records)} cases in {meta['wall_s']} s → {args.out}/", file=sys.stderr)
+    return 0

@@ -1,0 +1,247 @@
+"""Measuring one case: median time over repeats after warm-up, and peak memory beyond the inputs.
+
+- CUDA: in-process, CUDA events; `reset_peak_memory_stats` per case, peak = max_memory_allocated
+  − memory_allocated after the inputs were built.
+- CPU: every case in a fresh process (forked from a server that has only imported torch, this
+  package and Liger, so no case pays the imports, or `python -m fgrpo_kernels.bench.measure CASE`
+  with JSON on stdout for `isolation="exec"`). Peak = VmHWM − VmRSS, with the high-water mark
+  reset (/proc/self/clear_refs) after the inputs were built. Wall time (perf_counter) and the
+  process CPU time per run are both kept: on a shared machine the second is the steadier one.
+
+Out-of-memory (an allocator error, or the child killed by SIGKILL), a timeout or any error is
+a result row with that status, never an exception. `max_mem_gib` caps the child's data segment
+(RLIMIT_DATA) above what the inputs use, which makes a real CPU OOM at a chosen size.
+FGRPO_BENCH_FAKE="oom:IMPL" (or "kill:IMPL", "error:IMPL"; IMPL may be "*") fakes a failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+import json
+import multiprocessing
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from .impls import IMPLS, Workload, run_step
+from .presets import Case
+
+PRELOAD = ["torch", "fgrpo_kernels", "fgrpo_kernels.bench.impls", "liger_kernel.chunked_loss"]
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in ("out of memory", "can't allocate memory", "not enough memory"))
+
+
+def _fake_failure(case: Case) -> None:
+    kind, _, impl = os.environ.get("FGRPO_BENCH_FAKE", "").partition(":")
+    if not kind or impl not in (case.impl, "*"):
+        return
+    if kind == "oom":
+        raise torch.OutOfMemoryError(f"FGRPO_BENCH_FAKE: simulated out of memory in {case.impl}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"FGRPO_BENCH_FAKE: simulated error in {case.impl}")
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class _CpuMemory:
+    def __init__(self, max_mem_gib: float | None):
+        gc.collect()
+        if max_mem_gib is not None:
+            cap = _proc_status("VmData") + int(max_mem_gib * 2**30)
+            hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+            resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # NB: resets VmHWM to the current RSS (Linux ≥ 4.0)
+        self.base = _proc_status("VmRSS")
+
+    def peak(self) -> int:
+        return _proc_status("VmHWM") - self.base
+
+
+class _CudaMemory:
+    def __init__(self, max_mem_gib: float | None):
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.base = torch.cuda.memory_allocated()
+
+    def peak(self) -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - self.base
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _time_one(step, w: Workload, case: Case) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one run; CUDA times with events."""
+    _fake_failure(case)
+    if case.device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run_step(step, w, case.pass_)
+        end.record()
+        end.synchronize()
+        w.zero_grad()
+        return start.elapsed_time(end) / 1e3, float("nan")
+    c0, t0 = _cpu_seconds(), time.perf_counter()
+    run_step(step, w, case.pass_)
+    t, c = time.perf_counter() - t0, _cpu_seconds() - c0
+    w.zero_grad()
+    return t, c
+
+
+def row(case: Case, status: str, note: str = "", **values) -> dict:
+    """A result row: the case, its status, and whatever was measured."""
+    impl = IMPLS.get(case.impl)
+    backend = impl.backend(case.device) if impl else ""
+    return {"case": dataclasses.asdict(case), "status": status, "note": note[:300],
+            "backend": backend, **values}  # fmt: skip
+
+
+def measure_here(case: Case) -> dict:
+    """Measure `case` in this process; every failure becomes a row."""
+    impl = IMPLS[case.impl]
+    if case.device not in impl.devices:
+        return row(case, "unavailable", f"{case.impl} runs on {'/'.join(impl.devices)} only")
+    w = warm = mem = None
+    try:
+        if case.device == "cuda":
+            torch._dynamo.reset()  # in-process: no graph or recompile count leaks between cases
+        try:
+            step = impl.build(case.device)
+        except ImportError as e:
+            return row(case, "unavailable", f"{type(e).__name__}: {e}")
+        w = Workload.make(case)
+        mem = (_CudaMemory if case.device == "cuda" else _CpuMemory)(case.max_mem_gib)
+        small = case.warmup_small and not impl.compiles
+        warm = w.first() if small else w
+        times, cpus, first = [], [], None
+        for i in range(case.warmup + case.repeats):
+            if i > case.warmup and sum(times) >= case.min_time_s:
+                break
+            t, c = _time_one(step, warm if i < case.warmup else w, case)
+            first = t if first is None else first
+            if i >= case.warmup:
+                times.append(t)
+                cpus.append(c)
+        return row(
+            case,
+            "ok",
+            time_ms=1e3 * statistics.median(times),
+            cpu_time_ms=1e3 * statistics.median(cpus),
+            peak_mem_mib=mem.peak() / 2**20,
+            repeats=len(times),
+            compile_s=first if impl.compiles else None,
+        )
+    except Exception as e:  # noqa: BLE001 — every failure is a data point
+        peak = None if mem is None else mem.peak() / 2**20
+        status = "oom" if is_oom(e) else "error"
+        return row(case, status, f"{type(e).__name__}: {e}", peak_mem_mib=peak)
+    finally:
+        del w, warm
+        gc.collect()
+        if case.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- CPU isolation
+
+_SERVER = None
+
+
+def _server() -> multiprocessing.context.BaseContext:
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = multiprocessing.get_context("forkserver")
+        _SERVER.set_forkserver_preload(PRELOAD)
+    return _SERVER
+
+
+def _child(case: Case, env: dict, conn) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the forkserver's environment is the one it started with
+    if "MALLOC_MMAP_THRESHOLD_" in env:  # glibc read its environment at the server's start
+        ctypes.CDLL(None).mallopt(-3, int(env["MALLOC_MMAP_THRESHOLD_"]))  # -3: M_MMAP_THRESHOLD
+    conn.send(measure_here(case))
+    conn.close()
+
+
+def _died(case: Case, code: int | None, stderr: str = "") -> dict:
+    if code is not None and code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return row(case, "oom", "killed by SIGKILL (the OOM killer?)")
+    return row(case, "error", f"worker exited with {code}: {stderr.strip()[-250:]}")
+
+
+def measure_forked(case: Case) -> dict:
+    ctx = _server()
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(case, dict(os.environ), send), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if recv.poll(case.timeout_s):
+            return recv.recv()
+        if proc.is_alive():
+            return row(case, "timeout", f"no result after {case.timeout_s:.0f} s")
+        proc.join()
+        return _died(case, proc.exitcode)
+    except EOFError:
+        proc.join()
+        return _died(case, proc.exitcode)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+        recv.close()
+
+
+def measure_exec(case: Case) -> dict:
+    cmd = [sys.executable, "-m", __spec__.name, json.dumps(dataclasses.asdict(case))]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=case.timeout_s)
+    except subprocess.TimeoutExpired:
+        return row(case, "timeout", f"no result after {case.timeout_s:.0f} s")
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return _died(case, done.returncode, done.stderr)
+    return json.loads(lines[-1])
+
+
+def measure(case: Case, isolation: str = "fork") -> dict:
+    """One case → one row. CUDA runs in this process; CPU in a fresh process."""
+    if case.device == "cuda":
+        return measure_here(case)
+    return {"fork": measure_forked, "exec": measure_exec, "none": measure_here}[isolation](case)
+
+
+def main(argv: list[str] | None = None) -> None:
+    case = Case(**json.loads((sys.argv[1:] if argv is None else argv)[0]))
+    print(json.dumps(measure_here(case)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
