@@ -6,11 +6,11 @@ import csv
 import dataclasses
 
 import pytest
+from fgrpo_kernels.bench import measure, report
+from fgrpo_kernels.bench.presets import PRESETS, Case
 
 import fgrpo_kernels
 from fgrpo_kernels import cli
-from fgrpo_kernels.bench import measure, report
-from fgrpo_kernels.bench.presets import PRESETS, Case
 
 REQUIRED = ("impl", "tokens", "vocab", "hidden", "dtype", "pass", "time_ms", "peak_mem_mib")
 PNG = b"\x89PNG\r\n\x1a\n"
