@@ -34,7 +34,7 @@ constexpr int64_t SUB_H = 512;     // pieces run sgemm faster on this K = CHUNK_
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Row-major C[m, n] = alpha * A[m, k] · op(B) + beta * C, single-threaded (see logprob.cpp).
+// Row-major C[m, n] = alpha * A[m, k] · op(B) + beta * C, single-threaded (tiles.cpp).
 // op(B) = B^T with B [n, k] (nt), B [k, n] (nn); tn: C = alpha * A^T · B with A [k, m].
 void gemm_nt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
              const float* b, int64_t ldb, float beta, float* c, int64_t ldc);

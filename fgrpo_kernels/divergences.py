@@ -1,4 +1,4 @@
-"""The divergence table: the one home of every f-divergence formula (SPEC §3).
+"""The divergence table: the one home of every f-divergence formula (docs/math.md §3).
 
 A unit (token or sequence) with implicit reward r = β·log(π_θ/π_ref) costs
     φ₊(r) = −g(r)        if its advantage a > 0,
@@ -10,8 +10,8 @@ the value *and* the derivative are held at their value at 80, so nothing overflo
 never vanishes. The derivatives `dphi_pos` / `dphi_neg` are written in closed form and equal
 autograd of `phi_pos` / `phi_neg` everywhere (tests/test_divergences.py checks this).
 
-The Triton twins of φ₊/φ₋ and their derivatives live beside this module in
-`divergences_triton.py`, keyed by the same `Divergence` enum.
+The Triton twins of φ₊/φ₋ and their derivatives are `_<name>_pos` / `_<name>_neg` in
+`fgrpo_kernels/kernels/tl_divergences.py`, found by the `name` of each entry here.
 """
 
 from __future__ import annotations

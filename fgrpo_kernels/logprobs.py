@@ -1,4 +1,4 @@
-"""The public primitive: fused linear log-probs (SPEC §1)."""
+"""The public primitive: fused linear log-probs (docs/math.md §1)."""
 
 from __future__ import annotations
 

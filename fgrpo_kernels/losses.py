@@ -1,4 +1,4 @@
-"""Fused modules (SPEC §5): hidden states and the lm_head in, (loss, metrics) out.
+"""Fused modules: hidden states and the lm_head in, (loss, metrics) out (docs/math.md).
 
 Each module computes the per-token log-probs with the fused kernel (never the [N, V] logits),
 then runs the loss epilogue, which returns the loss and dL/dlogp in one pass; backward feeds
@@ -15,10 +15,8 @@ import torch
 from . import epilogue, metrics
 from . import validation as check
 from .autograd import EpilogueFunction
-from .divergences import get_divergence
-from .epilogue import Level, LossType, Reduction, Scale, enum_of
 from .logprobs import fused_linear_logprobs
-from .reference import LEVELS, LOSS_TYPES, REDUCTIONS, SCALES
+from .options import FGRPOOptions, GIFTOptions, GRPOOptions
 
 
 class _FusedLinearLoss(torch.nn.Module):
@@ -71,7 +69,7 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
     """f-GRPO on hidden states: |a_i|·φ_{sign a_i}(β·log π/π_ref) per token or sequence.
 
     Pass exactly one of `advantages` [B] or `rewards` [B] (then `num_generations` is needed and
-    the group normalisation of SPEC §2 is fused into the epilogue, with `scale_rewards`, `eps`,
+    the group normalisation is fused into the epilogue, with `scale_rewards`, `eps`,
     `unbiased`). Reference log-probs come as `ref_per_token_logps` [B, T] or are computed in the
     call from `ref_hidden` (and `ref_weight`, `ref_bias`; default: the policy's lm_head).
     `group_is_weights=True` applies the f-GRPO paper's group importance weights (needs rewards;
@@ -94,23 +92,10 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
         fast_fp32=False,
     ):
         super().__init__(temperature, compute_entropy, fast_fp32)
-        check.choice("level", level, LEVELS)
-        reduction = REDUCTIONS[level][0] if reduction is None else reduction
-        check.choice("reduction", reduction, REDUCTIONS[level])
-        check.choice("scale_rewards", scale_rewards, SCALES)
-        if num_generations is not None:
-            check.positive_int("num_generations", num_generations)
-        self.opts = epilogue.FGRPOOptions(
-            divergence=get_divergence(divergence),
-            beta=check.real("beta", beta),
-            level=enum_of(Level, level),
-            reduction=enum_of(Reduction, reduction),
-            num_generations=num_generations,
-            scale=enum_of(Scale, scale_rewards),
-            eps=check.positive("eps", eps, allow_zero=True),
-            unbiased=bool(unbiased),
-            group_is_weights=bool(group_is_weights),
-        )
+        self.opts = FGRPOOptions.parse(
+            divergence, beta, level, reduction, num_generations, scale_rewards, eps, unbiased,
+            group_is_weights, scale_arg="scale_rewards",
+        )  # fmt: skip
 
     def forward(
         self,
@@ -191,19 +176,11 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         chunk_size=1,
     ):
         super().__init__(temperature, compute_entropy, fast_fp32)
-        check.choice("loss_type", loss_type, LOSS_TYPES)
-        check.choice("importance_sampling_level", importance_sampling_level, LEVELS)
-        if max_completion_length is not None:
-            check.positive_int("max_completion_length", max_completion_length)
         self.use_ref_model = bool(use_ref_model)
-        self.opts = epilogue.GRPOOptions(
-            loss_type=enum_of(LossType, loss_type),
-            beta=check.real("beta", beta),
-            epsilon_low=check.positive("epsilon_low", epsilon_low, allow_zero=True),
-            epsilon_high=check.positive("epsilon_high", epsilon_high, allow_zero=True),
-            level=enum_of(Level, importance_sampling_level),
-            max_completion_length=max_completion_length,
-        )
+        self.opts = GRPOOptions.parse(
+            loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
+            max_completion_length,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -277,14 +254,7 @@ class FusedLinearGIFTLoss(_FusedLinearLoss):
         fast_fp32=False,
     ):
         super().__init__(temperature, compute_entropy, fast_fp32)
-        check.positive_int("num_generations", num_generations)
-        self.opts = epilogue.GIFTOptions(
-            num_generations=num_generations,
-            beta=check.real("beta", beta),
-            eps=check.positive("eps", eps, allow_zero=True),
-            unbiased=bool(unbiased),
-            detach_stats=bool(detach_stats),
-        )
+        self.opts = GIFTOptions.parse(num_generations, beta, eps, unbiased, detach_stats)
 
     def forward(
         self,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from . import epilogue, metrics
 from . import validation as check
 from .autograd import EpilogueFunction
-from .divergences import get_divergence
 from .losses import FusedLinearFGRPOLoss, _FusedLinearLoss
+from .options import FDOOptions, mixing_weight
 
 
 class FusedLinearFDOLoss(_FusedLinearLoss):
@@ -18,7 +18,7 @@ class FusedLinearFDOLoss(_FusedLinearLoss):
 
     def __init__(self, divergence="pearson", beta=0.1, temperature=1.0, fast_fp32=False):
         super().__init__(temperature, False, fast_fp32)
-        self.opts = epilogue.FDOOptions(get_divergence(divergence), check.real("beta", beta))
+        self.opts = FDOOptions.parse(divergence, beta)
 
     def forward(
         self,
@@ -75,10 +75,7 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
         super().__init__(
             divergence, beta, level, reduction, num_generations, temperature, **fgrpo_options
         )
-        check.real("lam", lam)
-        if not 0.0 <= lam <= 1.0:
-            raise ValueError(f"lam: expected a number in [0, 1]; got {lam!r}")
-        self.lam = float(lam)
+        self.lam = mixing_weight(lam)
         self.fdo = FusedLinearFDOLoss(divergence, beta, temperature, self.fast_fp32)
 
     def forward(

@@ -7,23 +7,17 @@ from __future__ import annotations
 
 import torch
 
-from .divergences import sat_exp
-from .epilogue import FGRPOOptions, GIFTOptions, GRPOOptions, Level, name_of
-from .reference import group_normalize
-
-
-def _masked_mean(x, m):
-    return (x * m).sum() / m.sum().clamp(min=1.0)
+from . import grpo_math
+from .options import FGRPOOptions, GIFTOptions, GRPOOptions, Level
+from .reference import group_zscore
 
 
 def _common(loss, logps, ref, mask, entropy):
-    m = mask.float()
     out = {"loss": loss.detach()}
     if ref is not None:
-        d = torch.where(mask.bool(), ref - logps.detach(), 0.0)
-        out["kl"] = _masked_mean(sat_exp(d) - d - 1.0, m)
+        out["kl"] = grpo_math.masked_mean(grpo_math.k3(ref, logps.detach(), mask), mask)
     if entropy is not None:
-        out["entropy"] = _masked_mean(entropy, m)
+        out["entropy"] = grpo_math.masked_mean(entropy, mask)
     return out
 
 
@@ -36,15 +30,14 @@ def _implicit_rewards(logps, ref, mask, beta, level):
 def _unit_mean(r, rows, mask):
     if r.dim() == 1:
         return r[rows].mean() if rows.any() else r.new_zeros(())
-    m = mask.float() * rows[:, None]
-    return _masked_mean(r, m)
+    return grpo_math.masked_mean(r, mask.float() * rows[:, None])
 
 
 def fgrpo(loss, logps, ref, mask, advantages, rewards, entropy, opts: FGRPOOptions):
     out = _common(loss, logps, ref, mask, entropy)
     if advantages is None:
-        advantages = group_normalize(
-            rewards, opts.num_generations, opts.eps, opts.unbiased, name_of(opts.scale)
+        advantages = group_zscore(
+            rewards.float(), opts.num_generations, opts.eps, opts.unbiased, opts.scale
         )
     r = _implicit_rewards(logps, ref, mask, opts.beta, opts.level)
     every = torch.ones_like(advantages, dtype=torch.bool)
@@ -56,19 +49,11 @@ def fgrpo(loss, logps, ref, mask, advantages, rewards, entropy, opts: FGRPOOptio
 
 def grpo(loss, logps, old, ref, mask, advantages, entropy, opts: GRPOOptions):
     out = _common(loss, logps, ref if opts.beta != 0.0 else None, mask, entropy)
-    m = mask.float()
-    log_ratio = torch.where(
-        mask.bool(), logps.detach() - (logps.detach() if old is None else old), 0.0
-    )
-    a = advantages[:, None]
-    if opts.level == Level.SEQUENCE:
-        log_ratio = (log_ratio.sum(-1) / m.sum(-1).clamp(min=1.0))[:, None]
-    coef = sat_exp(log_ratio)
-    low = ((coef < 1.0 - opts.epsilon_low) & (a < 0)).float()
-    high = ((coef > 1.0 + opts.epsilon_high) & (a > 0)).float()
+    ratio = grpo_math.importance_ratio(logps.detach(), old, mask, opts.level)
+    low, high = grpo_math.clip_indicators(ratio, advantages, opts.epsilon_low, opts.epsilon_high)
 
     def mean(x):
-        return x.mean() if x.shape[1] == 1 else _masked_mean(x, m)
+        return x.mean() if x.shape[1] == 1 else grpo_math.masked_mean(x, mask)
 
     out["clip_ratio/low_mean"] = mean(low)
     out["clip_ratio/high_mean"] = mean(high)

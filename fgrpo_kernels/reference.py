@@ -1,23 +1,40 @@
-"""The readable ground truth: every loss of SPEC §2 and §4 in plain PyTorch, on log-probs.
+"""The readable ground truth: every loss of docs/math.md in plain PyTorch, on log-probs.
 
 No Triton here. Everything is computed in float32 or wider (float64 inputs stay float64), so
 the same functions double as the oracle of the tests and as the CPU epilogue (autograd of these
 functions gives dL/dlogp). `logprobs` materialises the [N, V] logits on purpose.
+
+Each loss comes twice: `<name>_loss(...)` is the public function (strings, validation) and
+`<name>(..., opts)` the same maths on parsed options (`fgrpo_kernels.options`), which the fused
+modules' CPU epilogue calls without validating again.
 
 Shapes: logps, ref_logps, old_logps, mask: [B, T]; advantages, rewards, chosen: [B].
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from . import grpo_math
 from . import validation as check
-from .divergences import NAMES, TABLE, get_divergence, phi, sat_exp
-
-LEVELS = ("token", "sequence")
-REDUCTIONS = {"token": ("token_mean", "seq_mean", "sum"), "sequence": ("seq_mean", "sum")}
-SCALES = ("group", "batch", "none")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from .divergences import NAMES, TABLE, phi
+from .options import (
+    LEVELS,
+    LOSS_TYPES,
+    REDUCTIONS,
+    SCALES,
+    FDOOptions,
+    FGRPOOptions,
+    GIFTOptions,
+    GRPOOptions,
+    Level,
+    Reduction,
+    Scale,
+    mixing_weight,
+    parse,
+)
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
@@ -73,13 +90,16 @@ def _std(x: torch.Tensor, unbiased: bool) -> torch.Tensor:
     return _safe_sqrt((centered * centered).sum(-1) / (n - 1 if unbiased else n))
 
 
-def group_zscore(x, num_generations, eps=1e-4, unbiased=True, scale="group", detach_stats=False):
-    """(x − μ_g) / (σ + eps) per group of `num_generations` contiguous rows (SPEC §2)."""
+def group_zscore(
+    x, num_generations, eps=1e-4, unbiased=True, scale=Scale.GROUP, detach_stats=False
+):
+    """(x − μ_g) / (σ + eps) per group of `num_generations` contiguous rows; `scale` a `Scale`
+    (σ per group, over the whole batch, or none: x − μ_g)."""
     groups = x.reshape(-1, num_generations)
     mu = groups.mean(-1, keepdim=True)
-    if scale == "group":
+    if scale == Scale.GROUP:
         sigma = _std(groups, unbiased).unsqueeze(-1)
-    elif scale == "batch":
+    elif scale == Scale.BATCH:
         sigma = _std(x.reshape(-1), unbiased)
     else:
         sigma = None
@@ -99,7 +119,7 @@ def group_normalize(rewards, num_generations, eps=1e-4, unbiased=True, scale="gr
     check.tensor("rewards", rewards, ndim=1, floating=True)
     check.num_generations("num_generations", num_generations, rewards.shape[0])
     check.positive("eps", eps, allow_zero=True)
-    check.choice("scale", scale, SCALES)
+    scale = parse(Scale, "scale", scale)
     x = rewards.to(compute_dtype(rewards))
     return group_zscore(x, num_generations, eps, unbiased, scale)
 
@@ -148,32 +168,43 @@ def fgrpo_loss(
     num_generations).
     """
     B, T = check.loss_batch(logps, ref_logps, mask)
-    div = get_divergence(divergence)
-    check.real("beta", beta)
-    check.choice("level", level, LEVELS)
-    reduction = REDUCTIONS[level][0] if reduction is None else reduction
-    check.choice("reduction", reduction, REDUCTIONS[level])
-    advantages = check.advantages_or_rewards(
+    opts = FGRPOOptions.parse(
+        divergence, beta, level, reduction, None, Scale.GROUP, 1e-4, True, group_is_weights
+    )
+    check.advantages_or_rewards(
         advantages, rewards, num_generations, B, need_rewards=group_is_weights
     )
-    dtype = compute_dtype(logps, ref_logps, advantages)
-    if advantages is None:
-        advantages = group_normalize(rewards, num_generations)
-    a = advantages.to(dtype)
-    weight = a.abs()
     if group_is_weights:
         check.tensor("old_logps", old_logps, shape=(B, T), floating=True)
-        weight = weight * importance_weights(rewards, a, old_logps, mask, num_generations)
+    if num_generations is not None:
+        opts = dataclasses.replace(opts, num_generations=num_generations)
+    return fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts)
+
+
+def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOptions):
+    """`fgrpo_loss` on parsed options: `advantages` [B], or None with `rewards` [B] (normalised
+    per group as `opts.scale` says); `old_logps` and `rewards` for `opts.group_is_weights`."""
+    G = opts.num_generations
+    dtype = compute_dtype(logps, ref_logps, advantages)
+    if advantages is None:
+        advantages = group_zscore(rewards.to(compute_dtype(rewards)), G, opts.eps, opts.unbiased,
+                                  opts.scale)  # fmt: skip
+    a = advantages.to(dtype)
+    weight = a.abs()
+    if opts.group_is_weights:
+        weight = weight * importance_weights(rewards, a, old_logps, mask, G)
     positive = a > 0
     m = mask.to(dtype)
-    if level == "sequence":
-        u = weight * phi(beta * _seq_log_ratio(logps, ref_logps, mask, dtype), positive, div)
-        return u.mean() if reduction == "seq_mean" else u.sum()
+    beta = opts.beta
+    if opts.level == Level.SEQUENCE:
+        u = weight * phi(beta * _seq_log_ratio(logps, ref_logps, mask, dtype), positive,
+                         opts.divergence)  # fmt: skip
+        return u.mean() if opts.reduction == Reduction.SEQ_MEAN else u.sum()
     diff = torch.where(mask.bool(), logps.to(dtype) - ref_logps.to(dtype), 0.0)
-    u = m * weight[:, None] * phi(beta * diff, positive[:, None], div)
-    if reduction == "token_mean":
+    u = m * weight[:, None] * phi(beta * diff, positive[:, None], opts.divergence)
+    if opts.reduction == Reduction.TOKEN_MEAN:
         return u.sum() / m.sum().clamp(min=1.0)
-    if reduction == "seq_mean":
+    if opts.reduction == Reduction.SEQ_MEAN:
         return (u.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     return u.sum()
 
@@ -195,48 +226,38 @@ def grpo_loss(
     max_completion_length=None,
     num_items_in_batch=None,
 ):
-    """TRL/Liger GRPO: −min(c1·a, clip(c1)·a) + β·k3(ref, logps), reduced per `loss_type`.
+    """TRL/Liger GRPO: −min(w·a, clip(w)·a) + β·k3(ref, logps), reduced per `loss_type`.
 
-    c1 = exp(log_ratio), log_ratio = logps − old_logps per token, or its masked sequence mean
+    w = exp(log_ratio), log_ratio = logps − old_logps per token, or its masked sequence mean
     (GSPO) at importance_sampling_level "sequence". old_logps None → logps.detach(); ref_logps
-    None → logps.detach() (no KL, as in Liger).
+    None → no KL term (as in Liger).
     """
     B, T = check.loss_batch(logps, None, mask)
     check.optional_per_token("old_logps", old_logps, B, T)
     check.optional_per_token("ref_logps", ref_logps, B, T)
     check.tensor("advantages", advantages, shape=(B,), floating=True)
-    check.choice("loss_type", loss_type, LOSS_TYPES)
-    check.choice("importance_sampling_level", importance_sampling_level, LEVELS)
-    check.real("beta", beta)
-    check.positive("epsilon_low", epsilon_low, allow_zero=True)
-    check.positive("epsilon_high", epsilon_high, allow_zero=True)
-    if max_completion_length is not None:
-        check.positive("max_completion_length", max_completion_length)
+    opts = GRPOOptions.parse(
+        loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
+        max_completion_length,
+    )  # fmt: skip
+    return grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts)
+
+
+def grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts: GRPOOptions):
+    """`grpo_loss` on parsed options."""
     dtype = compute_dtype(logps, old_logps, ref_logps, advantages)
     lp = logps.to(dtype)
-    old = lp.detach() if old_logps is None else old_logps.to(dtype)
-    ref = lp.detach() if ref_logps is None else ref_logps.to(dtype)
-    valid = mask.bool()
-    m = mask.to(dtype)
-    log_ratio = torch.where(valid, lp - old, 0.0)
-    if importance_sampling_level == "sequence":
-        log_ratio = (log_ratio.sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    c1 = sat_exp(log_ratio)
-    c2 = c1.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
-    a = advantages.to(dtype).unsqueeze(-1)
-    per_token = -torch.minimum(c1 * a, c2 * a)
-    if beta != 0.0:
-        d = torch.where(valid, ref - lp, 0.0)
-        per_token = per_token + beta * (sat_exp(d) - d - 1.0)
-    total = (per_token * m).sum()
-    if loss_type == "grpo":
-        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return total / m.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return total / (B * (T if max_completion_length is None else max_completion_length))
-    denom = m.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch)
-    return total / denom.to(dtype).clamp(min=1.0)
+    old = None if old_logps is None else old_logps.to(dtype)
+    ratio = grpo_math.importance_ratio(lp, old, mask, opts.level)
+    per_token = grpo_math.clipped_surrogate(
+        ratio, advantages.to(dtype), opts.epsilon_low, opts.epsilon_high
+    )
+    if opts.beta != 0.0 and ref_logps is not None:
+        per_token = per_token + opts.beta * grpo_math.k3(ref_logps.to(dtype), lp, mask)
+    scale = grpo_math.row_scale(
+        mask, opts.loss_type, opts.max_completion_length, num_items_in_batch, dtype
+    )
+    return grpo_math.reduce(per_token, mask, scale)
 
 
 # ----------------------------------------------------------------------------- GIFT
@@ -261,13 +282,18 @@ def gift_loss(
     B, _ = check.loss_batch(logps, ref_logps, mask)
     check.tensor("rewards", rewards, shape=(B,), floating=True)
     check.num_generations("num_generations", num_generations, B)
-    check.real("beta", beta)
-    check.positive("eps", eps, allow_zero=True)
+    opts = GIFTOptions.parse(num_generations, beta, eps, unbiased, detach_stats)
+    return gift(logps, ref_logps, mask, rewards, opts)
+
+
+def gift(logps, ref_logps, mask, rewards, opts: GIFTOptions):
+    """`gift_loss` on parsed options."""
+    G = opts.num_generations
     dtype = compute_dtype(logps, ref_logps, rewards)
     k = _seq_log_ratio(logps, ref_logps, mask, dtype)
-    r_hat = group_zscore(rewards.to(dtype), num_generations, eps, unbiased)
-    k_hat = group_zscore(k, num_generations, eps, unbiased, detach_stats=detach_stats)
-    return ((r_hat - beta * k_hat) ** 2).mean()
+    r_hat = group_zscore(rewards.to(dtype), G, opts.eps, opts.unbiased)
+    k_hat = group_zscore(k, G, opts.eps, opts.unbiased, detach_stats=opts.detach_stats)
+    return ((r_hat - opts.beta * k_hat) ** 2).mean()
 
 
 # ----------------------------------------------------------------------------- FDO / f-HAL
@@ -277,9 +303,13 @@ def fdo_loss(logps, ref_logps, mask, chosen, divergence="pearson", beta=0.1):
     """FDO: mean_chosen φ₊(r) + mean_rejected φ₋(r), r_i = β Σ_t mask·(logps − ref_logps)."""
     B, _ = check.loss_batch(logps, ref_logps, mask)
     check.chosen("chosen", chosen, B)
-    spec = TABLE[get_divergence(divergence)]
-    check.real("beta", beta)
-    r = beta * _seq_log_ratio(logps, ref_logps, mask, compute_dtype(logps, ref_logps))
+    return fdo(logps, ref_logps, mask, chosen, FDOOptions.parse(divergence, beta))
+
+
+def fdo(logps, ref_logps, mask, chosen, opts: FDOOptions):
+    """`fdo_loss` on parsed options."""
+    spec = TABLE[opts.divergence]
+    r = opts.beta * _seq_log_ratio(logps, ref_logps, mask, compute_dtype(logps, ref_logps))
     return spec.phi_pos(r[chosen]).mean() + spec.phi_neg(r[~chosen]).mean()
 
 
@@ -299,22 +329,24 @@ def fhal_loss(
     reduction=None,
 ):
     """f-HAL = lam·FDO(preference batch) + (1 − lam)·f-GRPO(on-policy batch), one divergence/β."""
-    check.real("lam", lam)
-    if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"lam: expected a number in [0, 1]; got {lam!r}")
-    fdo = fdo_loss(pref_logps, pref_ref_logps, pref_mask, chosen, divergence, beta)
-    fgrpo = fgrpo_loss(logps, ref_logps, advantages, mask, divergence, beta, level, reduction)
-    return lam * fdo + (1.0 - lam) * fgrpo
+    lam = mixing_weight(lam)
+    fdo_part = fdo_loss(pref_logps, pref_ref_logps, pref_mask, chosen, divergence, beta)
+    fgrpo_part = fgrpo_loss(logps, ref_logps, advantages, mask, divergence, beta, level, reduction)
+    return lam * fdo_part + (1.0 - lam) * fgrpo_part
 
 
 __all__ = [
+    "LEVELS",
+    "LOSS_TYPES",
     "NAMES",
+    "REDUCTIONS",
+    "SCALES",
     "fdo_loss",
     "fgrpo_loss",
     "fhal_loss",
     "gift_loss",
-    "importance_weights",
     "group_normalize",
     "grpo_loss",
+    "importance_weights",
     "logprobs",
 ]

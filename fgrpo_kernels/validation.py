@@ -1,4 +1,4 @@
-"""Argument checks shared by the reference and the fused modules (SPEC §6).
+"""Argument checks shared by the reference and the fused modules (docs/math.md §6).
 
 Every failure is a ValueError or TypeError whose message starts with the argument's name and
 states the expected value.
@@ -95,7 +95,8 @@ INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
 def logprob_inputs(hidden, weight, targets, bias, temperature, ignore_index) -> None:
-    """SPEC §1 inputs: hidden [..., H], weight [V, H], targets [...] integer, bias [V] | None."""
+    """The primitive's inputs: hidden [..., H], weight [V, H], targets [...] integer, bias [V]
+    or None."""
     tensor("hidden", hidden, floating=True)
     if hidden.dim() < 1:
         raise ValueError("hidden: expected shape [..., H]; got a 0-D tensor")

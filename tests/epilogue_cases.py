@@ -5,6 +5,7 @@ import torch
 from hypothesis import HealthCheck
 
 from fgrpo_kernels import epilogue as E
+from fgrpo_kernels import options as O
 from fgrpo_kernels import reference as R
 from fgrpo_kernels.divergences import TABLE, Divergence
 from fgrpo_kernels.testing import Batch, rel_error
@@ -15,11 +16,11 @@ from fgrpo_kernels.testing import Batch, rel_error
 GRAD_FLOOR = 1e-2
 QUICK = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 LEVEL_REDUCTIONS = [
-    (E.Level.TOKEN, E.Reduction.TOKEN_MEAN),
-    (E.Level.TOKEN, E.Reduction.SEQ_MEAN),
-    (E.Level.TOKEN, E.Reduction.SUM),
-    (E.Level.SEQUENCE, E.Reduction.SEQ_MEAN),
-    (E.Level.SEQUENCE, E.Reduction.SUM),
+    (O.Level.TOKEN, O.Reduction.TOKEN_MEAN),
+    (O.Level.TOKEN, O.Reduction.SEQ_MEAN),
+    (O.Level.TOKEN, O.Reduction.SUM),
+    (O.Level.SEQUENCE, O.Reduction.SEQ_MEAN),
+    (O.Level.SEQUENCE, O.Reduction.SUM),
 ]
 SOURCES = ["advantages", "rewards_group", "rewards_batch", "rewards_none"]
 DIVS = list(Divergence)
@@ -82,8 +83,8 @@ def check(label, got, want, cpu=None, rtol=1e-5, loss_floor=1.0):
 
 def fgrpo_case(b: Batch, divergence, level, reduction, source, weights, beta):
     G = b.num_generations
-    scale = E.Scale.GROUP if source == "advantages" else E.enum_of(E.Scale, source[8:])
-    opts = E.FGRPOOptions(divergence, beta, level, reduction, G, scale, 1e-4, True, weights)
+    scale = O.Scale.GROUP if source == "advantages" else O.parse(O.Scale, "scale", source[8:])
+    opts = O.FGRPOOptions(divergence, beta, level, reduction, G, scale, 1e-4, True, weights)
     adv = b.advantages if source == "advantages" else None
     rewards = b.rewards if (adv is None or weights) else None
     args = (b.logps.float(), b.ref_logps, b.mask, adv, rewards, b.old_logps, opts)
@@ -113,13 +114,13 @@ def run_fgrpo(monkeypatch, b, divergence, level, reduction, source, weights, bet
     label = (
         f"fgrpo {name_of(divergence)} {name_of(level)} {name_of(reduction)} {source} IS={weights}"
     )
-    units = b.mask.sum() if level == E.Level.TOKEN else b.mask.shape[0]
-    floor = max(float(units), 1.0) if reduction == E.Reduction.SUM else 1.0
+    units = b.mask.sum() if level == O.Level.TOKEN else b.mask.shape[0]
+    floor = max(float(units), 1.0) if reduction == O.Reduction.SUM else 1.0
     check(label, triton_out, want, cpu_out, loss_floor=floor)
 
 
 def run_grpo(monkeypatch, b, loss_type, level, beta, eps, has_old, has_ref, n_items, max_len):
-    opts = E.GRPOOptions(loss_type, beta, *eps, level, max_len)
+    opts = O.GRPOOptions(loss_type, beta, *eps, level, max_len)
     old = b.old_logps if has_old else None
     ref = b.ref_logps if has_ref else None
     n_items = torch.tensor(10) if n_items == "tensor" else n_items
@@ -146,7 +147,7 @@ def run_grpo(monkeypatch, b, loss_type, level, beta, eps, has_old, has_ref, n_it
 
 def run_gift(monkeypatch, b, detach, unbiased, beta):
     G = b.num_generations
-    opts = E.GIFTOptions(G, beta, 1e-4, unbiased, detach)
+    opts = O.GIFTOptions(G, beta, 1e-4, unbiased, detach)
     triton_out, cpu_out = both(
         monkeypatch, E.gift, b.logps.float(), b.ref_logps, b.mask, b.rewards, opts
     )

@@ -1,6 +1,7 @@
-"""An independent, loop-by-loop float64 reading of SPEC §2–§4 (Python floats and `math` only).
+"""An independent, loop-by-loop float64 reading of docs/math.md §2–§4 (Python floats and
+`math` only).
 
-Written apart from fgrpo_kernels.reference, to catch a misreading of the SPEC in either.
+Written apart from fgrpo_kernels.reference, to catch a misreading of the maths in either.
 """
 
 import math

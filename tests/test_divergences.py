@@ -1,4 +1,5 @@
-"""The divergence table (SPEC §3): slopes, conjugacy, monotonicity, saturation, names, docs."""
+"""The divergence table (docs/math.md §3): slopes, conjugacy, monotonicity, saturation, names,
+docs."""
 
 import math
 from pathlib import Path

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fgrpo_kernels import epilogue as E
+from fgrpo_kernels import options as O
 from fgrpo_kernels import reference as R
 from fgrpo_kernels.divergences import Divergence
 from fgrpo_kernels.kernels import epilogue_common
@@ -52,8 +53,8 @@ def test_fgrpo_every_source_and_weighting(monkeypatch, source, weights, b, diver
     run_fgrpo(monkeypatch, b, divergence, *lr, source, weights, 0.5)
 
 
-@pytest.mark.parametrize("level", list(E.Level), ids=name_of)
-@pytest.mark.parametrize("loss_type", list(E.LossType), ids=name_of)
+@pytest.mark.parametrize("level", list(O.Level), ids=name_of)
+@pytest.mark.parametrize("loss_type", list(O.LossType), ids=name_of)
 @settings(max_examples=10, **QUICK)
 @given(
     b=batches(),
@@ -82,7 +83,7 @@ def test_gift_matches(monkeypatch, detach, unbiased, b, beta):
 @settings(max_examples=5, **QUICK)
 @given(b=batches(), beta=st.sampled_from([0.1, 1.0]))
 def test_fdo_matches(monkeypatch, divergence, b, beta):
-    opts = E.FDOOptions(divergence, beta)
+    opts = O.FDOOptions(divergence, beta)
     args = (b.logps.float(), b.ref_logps, b.mask, b.chosen, opts)
     triton_out, cpu_out = both(monkeypatch, E.fdo, *args)
     want = reference_grad(
@@ -109,10 +110,10 @@ def test_rows_longer_than_a_tile_are_walked_in_chunks(monkeypatch, loss, b):
     """With an 8-element tile, every pass over T takes several BLOCK_T chunks."""
     monkeypatch.setattr(epilogue_common, "TILE", 8)
     if loss.startswith("fgrpo"):
-        level = E.Level.TOKEN if loss.endswith("token") else E.Level.SEQUENCE
-        run_fgrpo(monkeypatch, b, Divergence.JS, level, E.Reduction.SUM, "rewards_group", True, 0.5)
+        level = O.Level.TOKEN if loss.endswith("token") else O.Level.SEQUENCE
+        run_fgrpo(monkeypatch, b, Divergence.JS, level, O.Reduction.SUM, "rewards_group", True, 0.5)
     elif loss.startswith("grpo"):
-        level = E.Level.TOKEN if loss.endswith("token") else E.Level.SEQUENCE
-        run_grpo(monkeypatch, b, E.LossType.GRPO, level, 0.04, (0.2, 0.28), True, True, None, None)
+        level = O.Level.TOKEN if loss.endswith("token") else O.Level.SEQUENCE
+        run_grpo(monkeypatch, b, O.LossType.GRPO, level, 0.04, (0.2, 0.28), True, True, None, None)
     else:
         run_gift(monkeypatch, b, False, True, 1.0)

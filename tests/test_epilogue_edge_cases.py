@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fgrpo_kernels import epilogue as E
+from fgrpo_kernels import options as O
 from fgrpo_kernels import reference as R
 from fgrpo_kernels.divergences import Divergence
 
@@ -32,12 +33,12 @@ def test_sequence_implicit_rewards_of_500_stay_finite(monkeypatch, divergence):
     ref = -torch.rand(4, 5, generator=torch.Generator().manual_seed(0)) * 4
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     b = make_batch(ref + step, ref, torch.ones(4, 5, dtype=torch.bool), adv, adv, 2)
-    for reduction in (E.Reduction.SEQ_MEAN, E.Reduction.SUM):
-        run_fgrpo(monkeypatch, b, divergence, E.Level.SEQUENCE, reduction, "advantages", False, 1.0)
-    run_fgrpo(monkeypatch, b, divergence, E.Level.TOKEN, E.Reduction.SUM, "advantages", False, 5.0)
+    for reduction in (O.Reduction.SEQ_MEAN, O.Reduction.SUM):
+        run_fgrpo(monkeypatch, b, divergence, O.Level.SEQUENCE, reduction, "advantages", False, 1.0)
+    run_fgrpo(monkeypatch, b, divergence, O.Level.TOKEN, O.Reduction.SUM, "advantages", False, 5.0)
 
 
-@pytest.mark.parametrize("level", list(E.Level), ids=name_of)
+@pytest.mark.parametrize("level", list(O.Level), ids=name_of)
 def test_grpo_log_ratios_of_200_stay_finite(monkeypatch, level):
     lp = -torch.rand(4, 6, generator=torch.Generator().manual_seed(1))
     shift = torch.tensor([200.0, -200.0, 200.0, -200.0])[:, None]
@@ -50,7 +51,7 @@ def test_grpo_log_ratios_of_200_stay_finite(monkeypatch, level):
         2,
         old=lp - shift,
     )
-    for loss_type in E.LossType:
+    for loss_type in O.LossType:
         run_grpo(monkeypatch, b, loss_type, level, 0.04, (0.2, 0.28), True, True, None, None)
 
 
@@ -62,12 +63,12 @@ def test_fully_masked_batch(monkeypatch):
     for divergence in DIVS:
         for level, reduction in LEVEL_REDUCTIONS:
             run_fgrpo(monkeypatch, b, divergence, level, reduction, "rewards_group", True, 1.0)
-    for loss_type in E.LossType:
+    for loss_type in O.LossType:
         run_grpo(
-            monkeypatch, b, loss_type, E.Level.SEQUENCE, 0.04, (0.2, 0.2), True, True, None, None
+            monkeypatch, b, loss_type, O.Level.SEQUENCE, 0.04, (0.2, 0.2), True, True, None, None
         )
     run_gift(monkeypatch, b, False, True, 1.0)
-    triton_out, _ = both(monkeypatch, E.gift, lp, lp * 0.5, b.mask, rewards, E.GIFTOptions(2, 1.0))
+    triton_out, _ = both(monkeypatch, E.gift, lp, lp * 0.5, b.mask, rewards, O.GIFTOptions(2, 1.0))
     assert torch.equal(triton_out[1], torch.zeros(4, 3))
 
 
@@ -81,7 +82,7 @@ def test_gift_zero_variance_groups_and_groups_of_one(monkeypatch, detach, eps):
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
     mask = torch.ones(4, 3, dtype=torch.bool)
     for G in (2, 1):
-        opts = E.GIFTOptions(G, 1.0, eps, True, detach)
+        opts = O.GIFTOptions(G, 1.0, eps, True, detach)
         triton_out, cpu_out = both(monkeypatch, E.gift, lp, ref, mask, rewards, opts)
         want = reference_grad(
             R.gift_loss, lp, ref_logps=ref, rewards=rewards, mask=mask, num_generations=G,
@@ -110,12 +111,12 @@ def test_flat_fp32_reward_group_normalises_to_exactly_zero(monkeypatch):
         assert torch.equal(grad[:3], torch.zeros(3, 4)), "flat group got a nonzero advantage"
 
 
-@pytest.mark.parametrize("level", list(E.Level), ids=name_of)
+@pytest.mark.parametrize("level", list(O.Level), ids=name_of)
 def test_grpo_without_old_logps_keeps_the_policy_gradient(monkeypatch, level):
     """old None means old = logps.detach(): ratio 1 in value, slope −a per token (not 0)."""
     lp = -torch.rand(2, 3, generator=torch.Generator().manual_seed(5))
     adv = torch.tensor([1.0, -2.0])
-    opts = E.GRPOOptions(E.LossType.DAPO, 0.0, 0.2, 0.2, level)
+    opts = O.GRPOOptions(O.LossType.DAPO, 0.0, 0.2, 0.2, level)
     mask = torch.ones(2, 3, dtype=torch.bool)
     (loss, grad), _ = both(monkeypatch, E.grpo, lp, None, None, mask, adv, None, opts)
     torch.testing.assert_close(loss, -adv.sum() * 3 / 6)
@@ -137,14 +138,14 @@ def test_mask_dtypes_and_a_strided_logps_view(monkeypatch, mask_dtype):
         monkeypatch,
         b,
         Divergence.JS,
-        E.Level.TOKEN,
-        E.Reduction.SEQ_MEAN,
+        O.Level.TOKEN,
+        O.Reduction.SEQ_MEAN,
         "rewards_group",
         True,
         1.0,
     )
     run_grpo(
-        monkeypatch, b, E.LossType.GRPO, E.Level.SEQUENCE, 0.04, (0.2, 0.2), True, True, None, None
+        monkeypatch, b, O.LossType.GRPO, O.Level.SEQUENCE, 0.04, (0.2, 0.2), True, True, None, None
     )
     run_gift(monkeypatch, b, False, True, 1.0)
 
@@ -165,7 +166,7 @@ def test_gift_two_generations_through_stats_in_float64(monkeypatch):
             torch.randn(6, generator=g),
             2,
         )
-        opts = E.GIFTOptions(2, [0.5, 1.0, 3.0][trial % 3], 1e-4, True, False)
+        opts = O.GIFTOptions(2, [0.5, 1.0, 3.0][trial % 3], 1e-4, True, False)
         with monkeypatch.context() as mp:
             mp.setenv("FGRPO_BACKEND", "triton")
             got = E.gift(b.logps, b.ref_logps, b.mask, b.rewards, opts)
@@ -189,7 +190,7 @@ def test_long_log_prob_sums_are_exact():
         old = -torch.rand(shape, generator=g) * 40
         b = make_batch(lp, ref, mask, None, rewards, G, old=old)
         args, want = fgrpo_case(
-            b, Divergence.KL, E.Level.SEQUENCE, E.Reduction.SEQ_MEAN, "rewards_group", True, 1.0
+            b, Divergence.KL, O.Level.SEQUENCE, O.Reduction.SEQ_MEAN, "rewards_group", True, 1.0
         )
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("FGRPO_BACKEND", "triton")

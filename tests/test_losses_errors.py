@@ -1,5 +1,5 @@
-"""SPEC §6 on the fused modules and the primitive: bad input raises before any kernel launch,
-naming the argument and the expected value."""
+"""Bad input (docs/math.md §6) on the fused modules and the primitive: it raises before any
+kernel launch, naming the argument and the expected value."""
 
 import pytest
 import torch

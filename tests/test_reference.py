@@ -1,5 +1,5 @@
-"""The reference against an independent float64 reading of SPEC (tests/naive.py), invariances,
-special cases, and the GRPO family against Liger-Kernel's own fused loss."""
+"""The reference against an independent float64 reading of docs/math.md (tests/naive.py),
+invariances, special cases, and the GRPO family against Liger-Kernel's own fused loss."""
 
 import pytest
 import torch

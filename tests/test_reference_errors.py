@@ -1,4 +1,4 @@
-"""SPEC §6 on the reference: bad input raises ValueError/TypeError naming the argument."""
+"""Bad input (docs/math.md §6) on the reference: a ValueError/TypeError naming the argument."""
 
 import pytest
 import torch

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from .. import grpo_math
 from ..divergences import NAMES as DIVERGENCES
 from ..logprobs import fused_linear_logprobs
 from ..losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
+from ..options import LOSS_TYPES as GRPO_FAMILY
+from ..options import Level, parse
 from . import trl_glue as glue
 
-GRPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo")
 EXTRA_LOSS_TYPES = ("fgrpo", "gift")
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
 
@@ -61,6 +63,9 @@ class FusedLossMixin:
                 "steps_per_generation: loss_type='gift' needs whole groups in each micro-batch; "
                 f"expected 1, got {self.args.steps_per_generation}"
             )
+        self._fgrpo_level = parse(
+            Level, "importance_sampling_level", self.importance_sampling_level
+        )
         self._fgrpo_loss = self._fgrpo_build_loss()
         self._fgrpo_warned = False
         glue.install_hidden_forward(self.model)
@@ -219,8 +224,8 @@ class FusedLossMixin:
             return (mask.new_zeros(B, dtype=torch.float32),) * 2
         targets = ids.masked_fill(mask == 0, -100)
         logps = fused_linear_logprobs(hidden.detach(), weight, targets, bias, self.temperature)
-        coef = glue.importance_ratio(logps, old, mask, self.importance_sampling_level)
-        low, high = glue.clipped(coef, adv, self.epsilon_low, self.epsilon_high)
+        coef = grpo_math.importance_ratio(logps, old, mask, self._fgrpo_level)
+        low, high = grpo_math.clip_indicators(coef, adv, self.epsilon_low, self.epsilon_high)
         if low.shape[1] == 1:
             return low[:, 0], high[:, 0]
         m = mask.float()

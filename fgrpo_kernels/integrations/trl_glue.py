@@ -1,5 +1,5 @@
-"""Tensor-level helpers of the TRL drop-in (no TRL import): the hidden-state forward, TRL's
-importance ratio and clip indicators, group reordering, and the bias-corrected-KL loss."""
+"""Tensor-level helpers of the TRL drop-in (no TRL import): the hidden-state forward, group
+reordering, and the bias-corrected-KL loss (on `grpo_math`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import types
 
 import torch
 
-from .. import reference
+from .. import grpo_math
 from ..logprobs import fused_linear_logprobs
+from ..options import LossType
 
 
 def causal_lm(model):
@@ -38,23 +39,6 @@ def install_hidden_forward(model) -> None:
     target._fgrpo_hidden_forward = True
 
 
-def importance_ratio(logps, old, mask, level):
-    """TRL's coef_1: exp(logps − old) per token, or of its masked mean per sequence [B, 1]."""
-    log_ratio = logps - (logps.detach() if old is None else old)
-    if level == "sequence":
-        m = mask.float()
-        log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0))[:, None]
-    return torch.exp(log_ratio)
-
-
-def clipped(coef, adv, epsilon_low, epsilon_high):
-    """TRL's low- and high-clipped indicators (float) of the ratio `coef`."""
-    a = adv[:, None]
-    low = ((coef < 1 - epsilon_low) & (a < 0)).float()
-    high = ((coef > 1 + epsilon_high) & (a > 0)).float()
-    return low, high
-
-
 def groups_contiguous(inputs: dict, num_generations: int) -> dict:
     """Rows reordered so that each group's G completions are contiguous (TRL shuffles)."""
     group = inputs["fgrpo_group"]
@@ -76,37 +60,30 @@ def bias_corrected_grpo_loss(trainer, hidden, weight, bias, ids, mask, adv, ref,
     ratio), which FusedLinearGRPOLoss lacks: the fused log-probs (no logits), then the O(B·T)
     loss in PyTorch. dapo returns the sum (the caller divides by TRL's normaliser)."""
     t = trainer
+    level, loss_type = t._fgrpo_level, t._fgrpo_loss.opts.loss_type
     targets = ids.masked_fill(mask == 0, -100)
     logps, entropy = fused_linear_logprobs(
         hidden, weight, targets, bias, t.temperature, return_entropy=True
     )
-    coef = importance_ratio(logps, old, mask, t.importance_sampling_level)
-    policy = reference.grpo_loss(
-        logps, old, None, adv, mask, t.loss_type, 0.0, t.epsilon_low, t.epsilon_high,
-        t.importance_sampling_level, t.max_completion_length,
-        num_items_in_batch=1.0 if t.loss_type == "dapo" else None,
-    )  # fmt: skip
-    d = ref - logps
-    kl = (torch.exp(d) - d - 1.0) * coef  # NB: coef carries the gradient of the correction
-    m = mask.float()
-    if t.loss_type == "grpo":
-        kl_term = ((kl * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    elif t.loss_type == "bnpo":
-        kl_term = (kl * m).sum() / m.sum().clamp(min=1.0)
-    elif t.loss_type == "dr_grpo":
-        kl_term = (kl * m).sum() / (m.shape[0] * t.max_completion_length)
-    else:
-        kl_term = (kl * m).sum()
-    low, high = clipped(coef.detach(), adv, t.epsilon_low, t.epsilon_high)
+    coef = grpo_math.importance_ratio(logps, old, mask, level)
+    per_token = grpo_math.clipped_surrogate(coef, adv, t.epsilon_low, t.epsilon_high)
+    # NB: coef carries the gradient of the correction
+    per_token = per_token + t.beta * grpo_math.k3(ref, logps, mask) * coef
+    dapo = loss_type == LossType.DAPO
+    scale = grpo_math.row_scale(
+        mask, loss_type, t.max_completion_length, 1.0 if dapo else None, logps.dtype
+    )
+    low, high = grpo_math.clip_indicators(coef.detach(), adv, t.epsilon_low, t.epsilon_high)
 
     def mean(x):
-        return x.mean() if x.shape[1] == 1 else (x * m).sum() / m.sum().clamp(min=1.0)
+        return x.mean() if x.shape[1] == 1 else grpo_math.masked_mean(x, mask)
 
+    kl = grpo_math.k3(ref, logps.detach(), mask) * coef.detach()
     metrics = {
-        "kl": mean(kl.detach()),
+        "kl": mean(kl),
         "entropy": mean(entropy.detach()),
         "clip_ratio/low_mean": mean(low),
         "clip_ratio/high_mean": mean(high),
         "clip_ratio/region_mean": mean(torch.maximum(low, high)),
     }
-    return policy + t.beta * kl_term, metrics
+    return grpo_math.reduce(per_token, mask, scale), metrics

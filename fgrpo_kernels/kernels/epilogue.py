@@ -1,11 +1,13 @@
 """The Triton loss epilogue: `fgrpo`, `grpo`, `gift` (FDO maps onto `fgrpo` in the caller).
 
-Same signatures and results as the PyTorch path of `fgrpo_kernels.epilogue`, which calls these
-when `use_triton(device)`: (loss 0-d fp32, dL/dlogps [B, T] fp32) in one launch per loss, one
-program per group (or per block of rows), two passes over T (row sums, then dL/dlogp).
+Each returns (loss 0-d fp32, dL/dlogps [B, T] fp32) with the semantics of the option-taking
+function of the same name in `fgrpo_kernels.reference` (which `fgrpo_kernels.epilogue` calls
+off the Triton path): one launch per loss, one program per group (or per block of rows), two
+passes over T (row sums, then dL/dlogp).
 
 `AOT_SPECS` lists one ahead-of-time compile configuration per shipped kernel variant
-({"name", "fn", "signature", "constexprs", "num_warps"}); tests/test_epilogue_compile.py
+({"name", "fn", "signature", "constexprs", "num_warps"}; constexprs are plain values or the
+divergence twins, which are `triton.JITFunction`s); tests/test_epilogue_compile.py
 compiles each for sm_90 so that code the interpreter accepts but the compiler rejects fails CI.
 """
 
@@ -16,6 +18,7 @@ from .epilogue_common import num_warps
 from .epilogue_fgrpo import _fgrpo_epilogue_kernel, fgrpo
 from .epilogue_gift import _gift_epilogue_kernel, gift
 from .epilogue_grpo import _grpo_epilogue_kernel, grpo
+from .tl_divergences import phi_constexprs
 
 __all__ = ["AOT_SPECS", "fgrpo", "gift", "grpo"]
 
@@ -58,7 +61,7 @@ def _spec(name: str, fn, constexprs: dict, ref_dtype: str = "*fp32") -> dict:
 
 def _fgrpo_spec(name, divergence, sequence, tile, **flags):
     constexprs = {
-        "DIVERGENCE": int(divergence),
+        **phi_constexprs(divergence),
         "SEQUENCE_LEVEL": sequence,
         "ROW_MEAN": False,
         "HAS_ADVANTAGES": True,
@@ -80,10 +83,9 @@ def _fgrpo_spec(name, divergence, sequence, tile, **flags):
     return _spec(name, _fgrpo_epilogue_kernel, constexprs)
 
 
-def _grpo_spec(name, sequence, has_old, has_kl, row_mean, tile):
+def _grpo_spec(name, sequence, has_old, has_kl, tile):
     constexprs = {
         "SEQUENCE_LEVEL": sequence,
-        "ROW_MEAN": row_mean,
         "HAS_OLD": has_old,
         "HAS_KL": has_kl,
         **tile,
@@ -104,13 +106,12 @@ _FGRPO_VARIANTS = [
     ("is_weights_token", False, _GROUP_TILE, {"HAS_IS_WEIGHTS": True, "ROW_MEAN": True}),
     ("is_weights_sequence", True, _GROUP_TILE, {"HAS_IS_WEIGHTS": True, "HAS_ADVANTAGES": False}),
 ]
-# (name, sequence level, HAS_OLD, HAS_KL, ROW_MEAN) of the GRPO variants.
+# (name, sequence level, HAS_OLD, HAS_KL) of the GRPO variants.
 _GRPO_VARIANTS = [
-    ("token", False, True, True, False),
-    ("token_row_mean", False, True, True, True),
-    ("token_on_policy_no_kl", False, False, False, False),
-    ("sequence", True, True, True, False),
-    ("sequence_on_policy", True, False, True, True),
+    ("token", False, True, True),
+    ("token_on_policy_no_kl", False, False, False),
+    ("sequence", True, True, True),
+    ("sequence_on_policy", True, False, True),
 ]
 
 

@@ -6,8 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..divergences_triton import tl_phi
-from ..epilogue import FGRPOOptions, Level, Reduction, Scale
+from ..options import FGRPOOptions, Level, Reduction, Scale
 from .epilogue_common import (
     Plan,
     contiguous,
@@ -24,6 +23,7 @@ from .epilogue_common import (
     tl_store_row_grad,
     tl_tile,
 )
+from .tl_divergences import phi_constexprs, tl_phi
 
 
 @triton.jit
@@ -57,7 +57,8 @@ def _fgrpo_epilogue_kernel(
     beta,
     eps,
     var_dof,
-    DIVERGENCE: tl.constexpr,
+    PHI_POS: tl.constexpr,
+    PHI_NEG: tl.constexpr,
     SEQUENCE_LEVEL: tl.constexpr,
     ROW_MEAN: tl.constexpr,
     HAS_ADVANTAGES: tl.constexpr,
@@ -66,7 +67,8 @@ def _fgrpo_epilogue_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    # Unit u (token or row i) with weight w_i = |a_i|·IS_i·norm costs w_i·φ_{a_i>0}(r_u):
+    # Unit u (token or row i) with weight w_i = |a_i|·IS_i·norm costs w_i·φ_{a_i>0}(r_u), φ the
+    # divergence whose twins PHI_POS / PHI_NEG are:
     #   token level:    r = β·m·(logp − ref),   dL/dlogp[i,t] = w_i·β·m·φ'(r[i,t])
     #   sequence level: r_i = β·Σ_t m·(logp − ref), dL/dlogp[i,t] = w_i·β·m·φ'(r_i)
     # a_i given, or (R_i − μ_g)/(σ + eps) with σ per group / whole batch / none (SCALE 0/1/2);
@@ -103,7 +105,7 @@ def _fgrpo_epilogue_kernel(
     weight = tl.where(row_ok, weight, 0.0)
 
     if SEQUENCE_LEVEL:
-        value, slope = tl_phi((beta * seq).to(tl.float32), positive, DIVERGENCE)
+        value, slope = tl_phi((beta * seq).to(tl.float32), positive, PHI_POS, PHI_NEG)
         tl.store(partial_ptr + tl.program_id(0), tl.sum(weight * value, axis=0))
         tl_store_row_grad(dlogp_ptr, mask_ptr, base, row_ok, weight * slope * beta, T, BLOCK_T)
     else:
@@ -114,7 +116,7 @@ def _fgrpo_epilogue_kernel(
             offs, ok = tl_tile(base, row_ok, t0, T, BLOCK_T)
             m = tl_load_mask(mask_ptr, offs, ok)
             diff = tl.where(m, tl_load(logp_ptr, offs, ok) - tl_load(ref_ptr, offs, ok), 0.0)
-            value, slope = tl_phi(beta * diff, positive[:, None], DIVERGENCE)
+            value, slope = tl_phi(beta * diff, positive[:, None], PHI_POS, PHI_NEG)
             acc += tl.where(m, weight[:, None] * value, 0.0)
             tl.store(dlogp_ptr + offs, tl.where(m, weight[:, None] * beta * slope, 0.0), mask=ok)
         tl.store(partial_ptr + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
@@ -159,7 +161,7 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
         float(opts.beta),
         float(opts.eps),
         dof(rows, opts.unbiased),
-        DIVERGENCE=int(opts.divergence),
+        **phi_constexprs(opts.divergence),
         SEQUENCE_LEVEL=opts.level == Level.SEQUENCE,
         ROW_MEAN=opts.level == Level.TOKEN and opts.reduction == Reduction.SEQ_MEAN,
         HAS_ADVANTAGES=advantages is not None,

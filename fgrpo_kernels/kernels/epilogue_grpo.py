@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ..divergences_triton import tl_sat_exp
-from ..epilogue import GRPOOptions, Level, LossType
+from .. import grpo_math
+from ..options import GRPOOptions, Level
 from .epilogue_common import (
     Plan,
     contiguous,
-    device_scalar,
     row_block,
     tl_load,
     tl_load_mask,
@@ -19,6 +17,7 @@ from .epilogue_common import (
     tl_rows,
     tl_tile,
 )
+from .tl_math import tl_sat_exp
 
 
 @triton.jit
@@ -38,7 +37,7 @@ def _grpo_epilogue_kernel(
     ref_ptr,
     mask_ptr,
     adv_ptr,
-    norm_ptr,
+    scale_ptr,
     dlogp_ptr,
     partial_ptr,
     B,
@@ -48,7 +47,6 @@ def _grpo_epilogue_kernel(
     clip_low,
     clip_high,
     SEQUENCE_LEVEL: tl.constexpr,
-    ROW_MEAN: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_KL: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -56,24 +54,20 @@ def _grpo_epilogue_kernel(
 ):
     # pt[i,t] = −min(c1·a_i, clip(c1, 1−ε_low, 1+ε_high)·a_i) + β·(e^d − d − 1), d = ref − logp,
     #   c1 = exp(logp − old) per token, or exp(Σ_t m·(logp − old) / max(L_i, 1)) per row (GSPO);
-    # loss = Σ m·n_i·pt, n_i = norm (bnpo, dr_grpo, dapo) or norm / max(L_i, 1) (grpo);
+    # loss = Σ m·n_i·pt with n_i the loss type's row scale (grpo_math.row_scale);
     # dL/dlogp[i,t] = n_i·m·(dpt/dlog_ratio + β·(1 − e^d)): the GSPO row slope reaches each of
     #   its L_i tokens through m/L_i, times the L_i tokens that carry it. old None → old = logp.
     rows, row_ok, base = tl_rows(B, T, ROWS, BLOCK_G)
     a = tl.load(adv_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    n = tl.zeros([BLOCK_G], dtype=tl.float32) + tl.load(norm_ptr)
-    if SEQUENCE_LEVEL or ROW_MEAN:
+    n = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    if SEQUENCE_LEVEL:
         seq, length, _ = tl_row_sums(
             logp_ptr, old_ptr, old_ptr, mask_ptr, base, row_ok, T, HAS_OLD, False, BLOCK_G, BLOCK_T
         )
-        length = length.to(tl.float32)
-        if ROW_MEAN:
-            n = n / tl.maximum(length, 1.0)
-        if SEQUENCE_LEVEL:
-            if not HAS_OLD:
-                seq = tl.zeros([BLOCK_G], dtype=tl.float64)
-            log_ratio = (seq / tl.maximum(length, 1.0)).to(tl.float32)
-            row_pt, row_slope = tl_clipped_surrogate(log_ratio, a, clip_low, clip_high)
+        if not HAS_OLD:
+            seq = tl.zeros([BLOCK_G], dtype=tl.float64)
+        log_ratio = (seq / tl.maximum(length, 1.0)).to(tl.float32)
+        row_pt, row_slope = tl_clipped_surrogate(log_ratio, a, clip_low, clip_high)
     n = tl.where(row_ok, n, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_T], dtype=tl.float32)
     for t0 in range(0, T, BLOCK_T):
@@ -98,21 +92,6 @@ def _grpo_epilogue_kernel(
     tl.store(partial_ptr + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
 
 
-def _norm(mask: torch.Tensor, B: int, T: int, num_items_in_batch, opts: GRPOOptions):
-    """The global factor n of every token (before grpo's per-row 1/max(L_i, 1))."""
-    dev = mask.device
-    if opts.loss_type == LossType.GRPO:
-        return device_scalar(1.0 / B, dev)
-    if opts.loss_type == LossType.DR_GRPO:
-        length = T if opts.max_completion_length is None else opts.max_completion_length
-        return device_scalar(1.0 / (B * length), dev)
-    if opts.loss_type == LossType.DAPO and num_items_in_batch is not None:
-        total = torch.as_tensor(num_items_in_batch).to(device=dev, dtype=torch.float32)
-    else:
-        total = mask.sum(dtype=torch.float32)
-    return device_scalar(1.0, dev) / total.reshape(1).clamp(min=1.0)
-
-
 def grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts: GRPOOptions):
     """GRPO-family epilogue: (loss 0-d fp32, dL/dlogps [B, T] fp32), the semantics of
     `reference.grpo_loss`. logps [B, T] fp32; old/ref [B, T] any float or None (→ logps: ratio
@@ -128,7 +107,7 @@ def grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts
         contiguous(ref_logps) if has_kl else None,
         mask,
         contiguous(advantages),
-        _norm(mask, B, T, num_items_in_batch, opts),
+        grpo_math.row_scale(mask, opts.loss_type, opts.max_completion_length, num_items_in_batch),
         plan.dlogp,
         plan.partial,
         B,
@@ -138,7 +117,6 @@ def grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts
         1.0 - opts.epsilon_low,
         1.0 + opts.epsilon_high,
         SEQUENCE_LEVEL=opts.level == Level.SEQUENCE,
-        ROW_MEAN=opts.loss_type == LossType.GRPO,
         HAS_OLD=old_logps is not None,
         HAS_KL=has_kl,
         **plan.meta,

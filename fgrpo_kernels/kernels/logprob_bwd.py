@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..divergences_triton import tl_expm1
 from ..options import LogProbOptions
 from . import configs
 from .launch import check_dtypes, dot_flags, interpreted
+from .tl_math import tl_expm1
 from .tl_utils import tl_block_start, tl_local_index, tl_logits_tile
 
 

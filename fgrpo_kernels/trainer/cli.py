@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..divergences import NAMES as DIVERGENCES
-from ..reference import LEVELS, LOSS_TYPES
+from ..options import LEVELS, LOSS_TYPES
 from .config import LOSSES, TrainConfig
 
 

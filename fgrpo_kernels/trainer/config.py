@@ -11,7 +11,7 @@ from .. import validation as check
 from ..divergences import NAMES as DIVERGENCES
 from ..losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
 from ..losses_preference import FusedLinearFHALLoss
-from ..reference import LEVELS, LOSS_TYPES, REDUCTIONS, SCALES
+from ..options import Level, LossType, Scale, parse, parse_level_reduction
 
 LOSSES = ("fgrpo", "grpo", "gift", "fhal")
 DEFAULT_BETA = {"fgrpo": 0.1, "grpo": 0.04, "gift": 1.0, "fhal": 0.1}
@@ -71,12 +71,10 @@ class TrainConfig:
     def __post_init__(self):
         check.choice("loss", self.loss, LOSSES)
         check.choice("divergence", self.divergence, DIVERGENCES)
-        check.choice("level", self.level, LEVELS)
-        if self.reduction is not None:
-            check.choice("reduction", self.reduction, REDUCTIONS[self.level])
-        check.choice("loss_type", self.loss_type, LOSS_TYPES)
-        check.choice("importance_sampling_level", self.importance_sampling_level, LEVELS)
-        check.choice("scale_rewards", self.scale_rewards, SCALES)
+        parse_level_reduction(self.level, self.reduction)
+        parse(LossType, "loss_type", self.loss_type)
+        parse(Level, "importance_sampling_level", self.importance_sampling_level)
+        parse(Scale, "scale_rewards", self.scale_rewards)
         check.choice("scheduler", self.scheduler, SCHEDULERS)
         check.choice("reference", self.reference, REFERENCES)
         for name in ("num_generations", "prompts_per_step", "max_new_tokens", "steps"):
