@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
@@ -27,6 +26,7 @@ import torch
 
 import fgrpo_kernels
 from fgrpo_kernels import fused_linear_logprobs, reference
+from fgrpo_kernels.bench.process_memory import PeakRSS
 
 IMPLS = ("cpp", "chunked", "eager", "liger")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -72,25 +72,15 @@ def step(fn, hidden, weight, targets, upstream) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def measure_memory(impl: str, N: int, H: int, V: int, dtype) -> dict:
     """Run in a fresh process: peak extra resident memory of one fwd+bwd, in MiB."""
     fn = logprob_fn(impl)
     step(fn, *make_inputs(64, H, 1000, dtype, seed=1))  # load libraries and kernels
     inputs = make_inputs(N, H, V, dtype)
-    gc.collect()
-    before = status_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    peak = PeakRSS()
     step(fn, *inputs)
-    peak = status_kib("VmHWM")
     grads = sum(t.grad.numel() * t.grad.element_size() for t in inputs[:2])
-    return {"peak_extra_mib": (peak - before) / 1024, "grads_mib": grads / 2**20}
+    return {"peak_extra_mib": peak.extra() / 2**20, "grads_mib": grads / 2**20}
 
 
 def memory_in_subprocess(impl: str, args) -> dict:

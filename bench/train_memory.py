@@ -22,18 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 
 VARIANTS = ("fused", "trl", "logits", "backbone")
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{key}:\s+(\d+)", f.read()).group(1))
 
 
 def _batch(args, torch):
@@ -63,6 +57,7 @@ def child(args) -> dict:
     from trl import GRPOTrainer
 
     from fgrpo_kernels import reference
+    from fgrpo_kernels.bench.process_memory import PeakRSS
     from fgrpo_kernels.integrations.trl import FusedGRPOConfig, FusedGRPOTrainer
     from fgrpo_kernels.trainer.tiny import tiny_model, tiny_tokenizer
 
@@ -112,20 +107,14 @@ def child(args) -> dict:
         return out.last_hidden_state[:, -T - 1 : -1].float().mean()
 
     step = {"logits": logits_loss, "backbone": backbone_only}.get(args.child, trainer._compute_loss)
-    import gc
-
-    gc.collect()
-    base = _status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # NB: resets VmHWM to the current RSS (Linux >= 4.0)
+    peak = PeakRSS()
     start = time.perf_counter()
     loss = step(trainer.model, batch)
     loss.backward()
     seconds = time.perf_counter() - start
-    peak = _status_kib("VmHWM") - base
     return {
         "variant": args.child,
-        "peak_mib": round(peak / 1024, 1),
+        "peak_mib": round(peak.extra() / 2**20, 1),
         "seconds": round(seconds, 2),
         "loss": float(loss),
         "tokens": int(batch["completion_mask"].sum()),

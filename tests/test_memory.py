@@ -11,10 +11,7 @@ import pytest
 CHILD = r"""
 import json, sys, torch
 import fgrpo_kernels as fk
-
-def status(key):
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
+from fgrpo_kernels.bench.process_memory import PeakRSS
 
 N, V, H = 16384, 32768, 64
 torch.manual_seed(0)
@@ -24,9 +21,7 @@ ids = torch.randint(0, V, (N,))
 what = sys.argv[1]
 mask = torch.ones(8, N // 8)
 ref = torch.full((8, N // 8), -10.0)
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset the high-water mark to the current RSS
-base = status("VmRSS:")
+peak = PeakRSS()
 if what == "logprobs":
     loss = fk.fused_linear_logprobs(h, w, ids).sum()
 else:
@@ -34,7 +29,7 @@ else:
     loss, _ = module(h.view(8, N // 8, H), w, ids.view(8, N // 8), mask,
                      advantages=torch.linspace(-1, 1, 8), ref_per_token_logps=ref)
 loss.backward()
-print(json.dumps({"extra_mib": (status("VmHWM:") - base) / 2**20, "backend": fk.cpu_backend()}))
+print(json.dumps({"extra_mib": peak.extra() / 2**20, "backend": fk.cpu_backend()}))
 """
 
 
@@ -53,3 +48,14 @@ def test_cpu_path_peak_memory_is_far_below_one_logits_tensor(what):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     # fp32 [N, V] logits alone would be 2048 MiB; the gradients here add 16 MiB (w) + 8 MiB (h).
     assert result["extra_mib"] < 512, result
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_peak_rss_sees_a_freed_allocation():
+    from fgrpo_kernels.bench.process_memory import PeakRSS
+
+    peak = PeakRSS()
+    block = bytearray(96 * 2**20)  # zero-filled pages, touched: resident
+    block[::4096] = b"\x01" * len(block[::4096])
+    del block
+    assert 90 * 2**20 <= peak.extra() < 200 * 2**20

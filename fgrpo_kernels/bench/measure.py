@@ -33,6 +33,7 @@ import torch
 
 from .impls import IMPLS, Workload, run_step
 from .presets import Case
+from .process_memory import PeakRSS, status_bytes
 
 PRELOAD = ["torch", "fgrpo_kernels", "fgrpo_kernels.bench.impls", "liger_kernel.chunked_loss"]
 
@@ -55,27 +56,17 @@ def _fake_failure(case: Case) -> None:
     raise RuntimeError(f"FGRPO_BENCH_FAKE: simulated error in {case.impl}")
 
 
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 class _CpuMemory:
     def __init__(self, max_mem_gib: float | None):
         gc.collect()
         if max_mem_gib is not None:
-            cap = _proc_status("VmData") + int(max_mem_gib * 2**30)
+            cap = status_bytes("VmData") + int(max_mem_gib * 2**30)
             hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
             resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # NB: resets VmHWM to the current RSS (Linux ≥ 4.0)
-        self.base = _proc_status("VmRSS")
+        self._rss = PeakRSS()
 
     def peak(self) -> int:
-        return _proc_status("VmHWM") - self.base
+        return self._rss.extra()
 
 
 class _CudaMemory:

@@ -1,1 +1,0 @@
-"""Benchmark programs; installed as fgrpo_kernels.bench (see pyproject.toml)."""

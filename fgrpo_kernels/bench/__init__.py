@@ -1,0 +1,1 @@
+"""`fgrpo bench`: presets, the compared implementations, measurement, report and plots."""
