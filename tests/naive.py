@@ -17,6 +17,9 @@ def _softplus(x):
     return max(x, 0.0) + math.log1p(math.exp(-abs(x)))
 
 
+# The six shipped divergences, typed again from docs/math.md §3. A divergence added to the table
+# later is read from the table itself (`_phi`): its formulas are held to f and f* by
+# tests/test_divergences.py, and what this module re-derives independently is the loss structure.
 PHI = {
     "kl": (lambda r: -r, lambda r: _e(r - 1.0)),
     "reverse_kl": (lambda r: _e(-r), lambda r: r - 1.0),
@@ -25,6 +28,21 @@ PHI = {
     "js": (lambda r: _softplus(-r) - LN2, lambda r: _softplus(r) - LN2),
     "tv": (lambda r: -0.5 * math.tanh(r), lambda r: 0.5 * math.tanh(r)),
 }
+
+
+def _phi(div):
+    if div in PHI:
+        return PHI[div]
+    import torch
+
+    from fgrpo_kernels.divergences import TABLE, get_divergence
+
+    spec = TABLE[get_divergence(div)]
+
+    def lift(fn):
+        return lambda r: float(fn(torch.tensor(r, dtype=torch.float64)))
+
+    return lift(spec.phi_pos), lift(spec.phi_neg)
 
 
 def _mean(xs):
@@ -73,7 +91,7 @@ def is_weights(R, A, old, mask, G):
 
 
 def fgrpo(lp, ref, A, mask, div, beta, level, reduction, weights=None):
-    pos, neg = PHI[div]
+    pos, neg = _phi(div)
     B = len(lp)
     weights = weights or [1.0] * B
     if level == "sequence":
@@ -137,7 +155,7 @@ def gift(lp, ref, R, mask, G, beta=1.0, eps=1e-4, unbiased=True):
 
 
 def fdo(lp, ref, mask, chosen, div, beta):
-    pos, neg = PHI[div]
+    pos, neg = _phi(div)
     r = [beta * k for k in _rows(lp, ref, mask)]
     return _mean([pos(x) for x, c in zip(r, chosen) if c]) + _mean(
         [neg(x) for x, c in zip(r, chosen) if not c]
