@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from . import reference
 from .cpu import cpu_backend
+from .distributed import VocabParallel
 from .divergences import Divergence
 from .logprobs import fused_linear_logprobs
 from .losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
@@ -12,6 +13,7 @@ from .reference import group_normalize
 
 __all__ = [
     "Divergence",
+    "VocabParallel",
     "FusedLinearFDOLoss",
     "FusedLinearFGRPOLoss",
     "FusedLinearFHALLoss",

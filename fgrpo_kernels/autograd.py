@@ -13,6 +13,7 @@ from types import ModuleType
 
 import torch
 
+from . import distributed
 from .options import LogProbOptions
 
 
@@ -46,17 +47,28 @@ def select_backend(device: torch.device) -> ModuleType:
 
 
 class LinearLogProbFunction(torch.autograd.Function):
-    """(hidden [N, H], weight [V, H], targets [N], bias [V] | None) → (logp [N], entropy [N])."""
+    """(hidden [N, H], weight [V, H], targets [N], bias [V] | None) → (logp [N], entropy [N]).
+
+    With a `distributed.Shard`, weight and bias are this rank's vocabulary rows and targets are
+    global ids: the per-row statistics are combined over the group (docs/math.md §7)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool):
+    def forward(
+        ctx, hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool,
+        shard: distributed.Shard | None = None,
+    ):  # fmt: skip
         ctx.set_materialize_grads(False)
         backend = select_backend(hidden.device)
+        if shard is not None:
+            targets, owned = distributed.localize(targets, shard, opts.ignore_index)
         logp, lse, entropy = backend.logprob_fwd(
             hidden, weight, targets, bias, opts, return_entropy
         )
+        if shard is not None:
+            valid = targets != opts.ignore_index
+            logp, lse, entropy = distributed.combine(logp, lse, entropy, owned, valid, shard)
         ctx.save_for_backward(hidden, weight, targets, bias, lse, entropy)
-        ctx.opts, ctx.backend = opts, backend
+        ctx.opts, ctx.backend, ctx.shard = opts, backend, shard
         if entropy is None:
             entropy = logp.new_zeros(0)
             ctx.mark_non_differentiable(entropy)
@@ -68,12 +80,14 @@ class LinearLogProbFunction(torch.autograd.Function):
         if entropy is None:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3])
         dh, dw, db = ctx.backend.logprob_bwd(
             hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy, ctx.opts, needs
         )
-        return dh, dw, None, db, None, None
+        if ctx.shard is not None:
+            dh = distributed.reduce_hidden_grad(dh, ctx.shard)
+        return dh, dw, None, db, None, None, None
 
 
 class EpilogueFunction(torch.autograd.Function):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import distributed
 from . import validation as check
 from .autograd import LinearLogProbFunction
 from .options import LogProbOptions
@@ -19,6 +20,7 @@ def fused_linear_logprobs(
     return_entropy=False,
     *,
     fast_fp32=False,
+    vocab_parallel=None,
 ):
     """logp[n] = log_softmax((h_n W^T + b) / τ)[y_n] without materialising the [N, V] logits.
 
@@ -26,8 +28,23 @@ def fused_linear_logprobs(
     Returns fp32 logp [...] (and fp32 entropy [...] when `return_entropy`); rows whose target
     is `ignore_index` give 0 and no gradient. Differentiable in hidden, weight and bias.
     `fast_fp32=True` allows TF32 products for fp32 inputs on CUDA.
+
+    `vocab_parallel=VocabParallel(...)`: weight [V_r, H] and bias [V_r] are this rank's shard of
+    the vocabulary, targets are global ids; results are the global ones on every rank. A DTensor
+    weight or bias (FSDP2) is gathered for the call; its gradient is the sharded DTensor one.
     """
-    check.logprob_inputs(hidden, weight, targets, bias, temperature, ignore_index)
+    if distributed.is_dtensor(weight):
+        weight = distributed.gather_dtensor(weight, "weight")
+    if distributed.is_dtensor(bias):
+        bias = distributed.gather_dtensor(bias, "bias")
+    shard = None
+    if vocab_parallel is not None:
+        check.tensor("weight", weight, ndim=2)
+        shard = distributed.resolve(vocab_parallel, weight.shape[0], weight.device)
+    check.logprob_inputs(
+        hidden, weight, targets, bias, temperature, ignore_index,
+        vocab_size=None if shard is None else shard.total,
+    )  # fmt: skip
     lead = hidden.shape[:-1]
     opts = LogProbOptions(float(temperature), int(ignore_index), bool(fast_fp32))
     logp, entropy = LinearLogProbFunction.apply(
@@ -37,6 +54,7 @@ def fused_linear_logprobs(
         None if bias is None else bias.contiguous(),
         opts,
         bool(return_entropy),
+        shard,
     )
     logp = logp.reshape(lead)
     return (logp, entropy.reshape(lead)) if return_entropy else logp

@@ -94,9 +94,9 @@ def same_device(tensors: dict[str, torch.Tensor | None]) -> None:
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
-def logprob_inputs(hidden, weight, targets, bias, temperature, ignore_index) -> None:
+def logprob_inputs(hidden, weight, targets, bias, temperature, ignore_index, vocab_size=None):
     """The primitive's inputs: hidden [..., H], weight [V, H], targets [...] integer, bias [V]
-    or None."""
+    or None. `vocab_size` is the global V when weight holds one shard of the vocabulary."""
     tensor("hidden", hidden, floating=True)
     if hidden.dim() < 1:
         raise ValueError("hidden: expected shape [..., H]; got a 0-D tensor")
@@ -113,6 +113,7 @@ def logprob_inputs(hidden, weight, targets, bias, temperature, ignore_index) -> 
     V = weight.shape[0]
     if bias is not None:
         tensor("bias", bias, shape=(V,), floating=True)
+    V = V if vocab_size is None else vocab_size
     positive("temperature", temperature)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int; got {type(ignore_index).__name__}")

@@ -20,7 +20,7 @@ LAYERS = [
     ("options",),
     ("grpo_math",),
     ("reference",),
-    ("kernels", "cpu"),
+    ("kernels", "cpu", "distributed"),
     ("autograd",),
     ("logprobs", "epilogue", "metrics"),
     ("losses", "losses_preference"),

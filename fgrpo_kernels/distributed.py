@@ -1,0 +1,223 @@
+"""torch.distributed support: the vocabulary split over ranks, DTensor lm_heads, global counts.
+
+Vocab-parallel log-probs (docs/math.md §7): rank r holds rows [start_r, start_r + V_r) of the
+lm_head. Each rank runs the ordinary kernels on its shard, with the targets it does not own
+replaced by a sentinel that matches no column, and returns per-row (logp_r, lse_r, H_r) of its
+local softmax. The global values follow from O(N) all-reduces, in fp32:
+
+    lse = M + log Σ_r e^(lse_r − M),  M = max_r lse_r
+    logp = logp_o + lse_o − lse                      (o: the rank that owns the target)
+    H = Σ_r w_r·(H_r + lse − lse_r),  w_r = e^(lse_r − lse)
+
+Backward needs no communication beyond dhidden: with the global lse and H saved, each rank's
+kernel produces the exact dlogits of its columns (no one-hot where it does not own the
+target), hence its rows of dweight/dbias and a partial dhidden that is summed over the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Bytes moved by this module's collectives in this process, by collective (see `comm_bytes`).
+_COMM: dict[str, int] = {}
+_SHARDS: dict[tuple, Shard] = {}
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """The lm_head is split over the vocabulary across the ranks of `group` (default: the world).
+
+    Each rank passes its contiguous shard weight[V_r, H] (and bias[V_r]); `vocab_start` is the
+    shard's first token id (None: the prefix sum of the ranks' V_r in rank order, found by one
+    all-gather). Hidden states, targets (global ids) and masks are the same on every rank, and so
+    are the results. dweight/dbias are the local shard's rows; dhidden is summed over the group
+    unless `reduce_hidden_grad=False` (each rank then returns its partial sum, for callers whose
+    own sequence-parallel gather reduces it).
+    """
+
+    group: object = None
+    vocab_start: int | None = None
+    reduce_hidden_grad: bool = True
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A resolved `VocabParallel`: this rank's [start, start + size) of a vocabulary of `total`."""
+
+    group: object
+    start: int
+    size: int
+    total: int
+    reduce_hidden_grad: bool
+
+
+def _record(name: str, t: torch.Tensor) -> None:
+    _COMM[name] = _COMM.get(name, 0) + t.numel() * t.element_size()
+
+
+def comm_bytes(reset: bool = False) -> dict[str, int]:
+    """Bytes this process has sent into each kind of collective through this module (the payload
+    of its own tensor, not the transport's overhead); `reset` clears the counters."""
+    out = dict(_COMM)
+    if reset:
+        _COMM.clear()
+    return out
+
+
+def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    _record("all_reduce", t)
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def resolve(vp: VocabParallel, local_vocab: int, device: torch.device) -> Shard:
+    """Check that the ranks' shards tile [0, V) and return this rank's. Cached per (group,
+    vocab_start, V_r): the all-gather runs once for a given layout."""
+    if not isinstance(vp, VocabParallel):
+        raise TypeError(f"vocab_parallel: expected a VocabParallel; got {type(vp).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "vocab_parallel: expected an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group); got none"
+        )
+    if vp.vocab_start is not None and (
+        isinstance(vp.vocab_start, bool) or not isinstance(vp.vocab_start, int)
+        or vp.vocab_start < 0
+    ):  # fmt: skip
+        raise ValueError(
+            f"vocab_parallel: expected vocab_start an int >= 0; got {vp.vocab_start!r}"
+        )
+    key = (vp.group, vp.vocab_start, local_vocab, vp.reduce_hidden_grad)
+    if key in _SHARDS:
+        return _SHARDS[key]
+    world = dist.get_world_size(vp.group)
+    start = -1 if vp.vocab_start is None else vp.vocab_start
+    mine = torch.tensor([start, local_vocab], dtype=torch.int64, device=device)
+    every = torch.empty(world * 2, dtype=torch.int64, device=device)
+    _record("all_gather", mine)
+    dist.all_gather_into_tensor(every, mine, group=vp.group)
+    starts, sizes = every[0::2].tolist(), every[1::2].tolist()
+    if all(s < 0 for s in starts):
+        starts = [sum(sizes[:r]) for r in range(world)]
+    elif any(s < 0 for s in starts):
+        raise ValueError(
+            "vocab_parallel: expected vocab_start on every rank or on none; got "
+            f"{['None' if s < 0 else s for s in starts]}"
+        )
+    spans = sorted(zip(starts, sizes))
+    edge = 0
+    for s, n in spans:
+        if s != edge:
+            raise ValueError(
+                "vocab_parallel: expected the ranks' shards [vocab_start, vocab_start + V_r) to "
+                f"tile [0, V) without gaps or overlaps; got {sorted(zip(starts, sizes))}"
+            )
+        edge = s + n
+    rank = dist.get_rank(vp.group)
+    shard = Shard(vp.group, starts[rank], local_vocab, edge, bool(vp.reduce_hidden_grad))
+    _SHARDS[key] = shard
+    return shard
+
+
+def localize(targets: torch.Tensor, shard: Shard, ignore_index: int):
+    """(local targets, owned): ids of this shard shifted to [0, V_r); targets owned elsewhere
+    become a sentinel that is neither a column nor `ignore_index`; ignored rows stay ignored."""
+    local = targets - shard.start
+    valid = targets != ignore_index
+    owned = valid & (local >= 0) & (local < shard.size)
+    sentinel = -1 if ignore_index != -1 else -2
+    out = torch.where(owned, local, torch.where(valid, sentinel, ignore_index))
+    return out, owned
+
+
+def combine(logp, lse, entropy, owned, valid, shard: Shard):
+    """Per-row local (logp, lse, entropy | None) of each shard → the global ones (three O(N)
+    fp32 all-reduces; two without entropy)."""
+    group = shard.group
+    top = all_reduce(lse.clone(), dist.ReduceOp.MAX, group)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    total = all_reduce(torch.exp(lse - top), group=group)
+    glse = top + torch.log(total)
+    rows = torch.stack([torch.where(owned, logp + lse - glse, 0.0)])
+    if entropy is not None:
+        w = torch.exp(lse - glse)
+        term = torch.where(w > 0, w * (entropy + glse - lse), 0.0)
+        rows = torch.cat([rows, term[None]])
+    rows = all_reduce(rows, group=group)
+    logp_g = torch.where(valid, rows[0], 0.0)
+    ent_g = None if entropy is None else torch.where(valid, rows[1], 0.0)
+    return logp_g, glse, ent_g
+
+
+def reduce_hidden_grad(dh: torch.Tensor | None, shard: Shard) -> torch.Tensor | None:
+    if dh is None or not shard.reduce_hidden_grad:
+        return dh
+    return all_reduce(dh, group=shard.group)
+
+
+# ----------------------------------------------------------------------------- DTensor
+
+
+class _GatherRows(torch.autograd.Function):
+    """Local rows [V_r, ...] → the full tensor [V, ...] on every rank; backward hands each rank
+    its rows of the gradient averaged over the ranks (FSDP's reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, local, full_shape, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        world = len(sizes)
+        width = max(sizes)
+        padded = local.new_zeros((width, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        out = local.new_empty((world * width, *local.shape[1:]))
+        _record("all_gather", padded)
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        pieces = [out[r * width : r * width + n] for r, n in enumerate(sizes)]
+        return torch.cat(pieces).reshape(full_shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes, world = ctx.sizes, len(ctx.sizes)
+        width = max(sizes)
+        padded = grad.new_zeros((world * width, *grad.shape[1:]))
+        offset = 0
+        for r, n in enumerate(sizes):
+            padded[r * width : r * width + n] = grad[offset : offset + n]
+            offset += n
+        out = grad.new_empty((width, *grad.shape[1:]))
+        _record("reduce_scatter", padded)
+        dist.reduce_scatter_tensor(out, padded.contiguous(), op=dist.ReduceOp.AVG, group=ctx.group)
+        return out[: sizes[dist.get_rank(ctx.group)]], None, None, None
+
+
+def is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+def gather_dtensor(t, arg: str) -> torch.Tensor:
+    """A DTensor sharded along dim 0 over a 1-D mesh (FSDP2's `fully_shard` parameters) as the
+    full plain tensor, differentiably: its gradient arrives as the sharded DTensor gradient,
+    averaged over the mesh as FSDP does."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    if all(isinstance(p, Replicate) for p in placements):
+        return t.to_local()
+    if mesh.ndim != 1 or not (isinstance(placements[0], Shard) and placements[0].dim == 0):
+        raise ValueError(
+            f"{arg}: expected a DTensor sharded along dim 0 over a 1-D mesh (FSDP2) or "
+            f"replicated; got placements {placements} on a {mesh.ndim}-D mesh"
+        )
+    group = mesh.get_group()
+    local = t.to_local()
+    size = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
+    sizes = torch.empty(mesh.size(), dtype=torch.int64, device=local.device)
+    dist.all_gather_into_tensor(sizes, size, group=group)
+    return _GatherRows.apply(local, tuple(t.shape), group, tuple(sizes.tolist()))

@@ -1,0 +1,230 @@
+"""torch.distributed on 2 CPU ranks (gloo), spawned by the tests: vocab-parallel log-probs and
+losses equal the single-process result, FSDP2 DTensor lm_heads, global normalisers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fgrpo_kernels as fk
+from fgrpo_kernels import distributed
+
+from .ranks import run_ranks
+
+BACKENDS = ("cpp", "chunked", "triton")
+RTOL = 1e-5
+
+
+def _use(backend: str) -> None:
+    """Select a backend for CPU tensors in this process (as the tests' FGRPO_* variables do)."""
+    os.environ["FGRPO_BACKEND"] = "triton" if backend == "triton" else "cpu"
+    os.environ["FGRPO_CPU_BACKEND"] = "torch" if backend == "chunked" else "cpp"
+
+
+def rel(got, want) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp(min=1e-12))
+
+
+def assert_close(label, got, want, rtol=RTOL):
+    assert got.shape == want.shape, f"{label}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    err = rel(got, want)
+    assert err <= rtol, f"{label}: relative error {err:.3g} > {rtol:g}"
+
+
+def shard_bounds(V: int, rank: int, world: int) -> tuple[int, int]:
+    """Uneven shards: rank 0 holds a third of the vocabulary (rounded down), rank 1 the rest."""
+    cuts = [0, V // 3, V] if world == 2 else [round(V * r / world) for r in range(world + 1)]
+    return cuts[rank], cuts[rank + 1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built_cpu_backend():
+    fk.cpu_backend()  # build the C++ ops once here, not in every spawned rank
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def _logprob_ranks(rank, world):
+    gen = torch.Generator().manual_seed(0)
+    N, H, V = 23, 17, 61
+    hidden = torch.randn(N, H, generator=gen)
+    weight = torch.randn(V, H, generator=gen) * 0.5
+    bias = torch.randn(V, generator=gen)
+    targets = torch.randint(0, V, (N,), generator=gen)
+    targets[::5] = -100
+    targets[1] = V - 1
+    targets[2] = 0
+    g_logp, g_ent = torch.randn(N, generator=gen), torch.randn(N, generator=gen)
+    lo, hi = shard_bounds(V, rank, world)
+    for backend in BACKENDS:
+        _use(backend)
+        for with_bias, tau, reduce_dh in ((True, 0.7, True), (False, 1.0, False)):
+            label = f"{backend} bias={with_bias} tau={tau} reduce_hidden_grad={reduce_dh}"
+            b = bias if with_bias else None
+            full = [t.clone().requires_grad_(True) if t is not None else None
+                    for t in (hidden, weight, b)]  # fmt: skip
+            lp, ent = fk.fused_linear_logprobs(
+                full[0], full[1], targets, full[2], tau, return_entropy=True
+            )
+            ((lp * g_logp).sum() + (ent * g_ent).sum()).backward()
+            part = [
+                hidden.clone().requires_grad_(True),
+                weight[lo:hi].clone().requires_grad_(True),
+                None if b is None else b[lo:hi].clone().requires_grad_(True),
+            ]
+            vp = fk.VocabParallel(reduce_hidden_grad=reduce_dh)
+            lp2, ent2 = fk.fused_linear_logprobs(
+                part[0], part[1], targets, part[2], tau, return_entropy=True, vocab_parallel=vp
+            )
+            ((lp2 * g_logp).sum() + (ent2 * g_ent).sum()).backward()
+            assert_close(f"{label} logp", lp2, lp)
+            assert_close(f"{label} entropy", ent2, ent)
+            dh = part[0].grad
+            if not reduce_dh:
+                dist.all_reduce(dh)
+            assert_close(f"{label} dhidden", dh, full[0].grad)
+            assert_close(f"{label} dweight", part[1].grad, full[1].grad[lo:hi])
+            if b is not None:
+                assert_close(f"{label} dbias", part[2].grad, full[2].grad[lo:hi])
+
+
+def test_vocab_parallel_logprobs_equal_single_process():
+    run_ranks(_logprob_ranks, 2)
+
+
+def _layout_errors(rank, world):
+    w = torch.randn(5 + rank, 3)
+    h, y = torch.randn(4, 3), torch.tensor([0, 3, 7, 10])
+    with pytest.raises(ValueError, match="vocab_parallel: expected the ranks' shards"):
+        fk.fused_linear_logprobs(h, w, y, vocab_parallel=fk.VocabParallel(vocab_start=rank))
+    with pytest.raises(ValueError, match="targets: expected ids in \\[0, 11\\)"):
+        fk.fused_linear_logprobs(h, w, y + 1, vocab_parallel=fk.VocabParallel())
+    explicit = fk.VocabParallel(vocab_start=0 if rank == 1 else 6)  # shards in swapped order
+    out = fk.fused_linear_logprobs(h, w, y, vocab_parallel=explicit)
+    assert torch.isfinite(out).all()
+
+
+def test_vocab_parallel_layout_is_checked():
+    run_ranks(_layout_errors, 2)
+
+
+def test_vocab_parallel_needs_a_process_group():
+    with pytest.raises(ValueError, match="vocab_parallel: expected an initialised"):
+        fk.fused_linear_logprobs(
+            torch.randn(2, 3), torch.randn(4, 3), torch.tensor([0, 1]),
+            vocab_parallel=fk.VocabParallel(),
+        )  # fmt: skip
+
+
+def _comm_volume(rank, world, out_path):
+    N, H, V = 64, 8, 50
+    lo, hi = shard_bounds(V, rank, world)
+    h = torch.randn(N, H, requires_grad=True)
+    w = torch.randn(V, H)[lo:hi].clone().requires_grad_(True)
+    y = torch.randint(0, V, (N,))
+    vp = fk.VocabParallel()
+    fk.fused_linear_logprobs(h, w, y, vocab_parallel=vp)  # resolves the layout (cached)
+    distributed.comm_bytes(reset=True)
+    lp, ent = fk.fused_linear_logprobs(h, w, y, return_entropy=True, vocab_parallel=vp)
+    fwd = distributed.comm_bytes(reset=True)
+    (lp.sum() + ent.sum()).backward()
+    bwd = distributed.comm_bytes(reset=True)
+    # forward: max, sum-exp, (logp, entropy) rows — 4·N fp32; backward: dhidden N·H fp32
+    assert fwd == {"all_reduce": 4 * 4 * N}, fwd
+    assert bwd == {"all_reduce": 4 * N * H}, bwd
+    if rank == 0 and out_path:
+        with open(out_path, "w") as f:
+            f.write(f"{fwd} {bwd}")
+
+
+def test_communication_is_o_n_per_call(tmp_path):
+    run_ranks(_comm_volume, 2, str(tmp_path / "bytes.txt"))
+    assert (tmp_path / "bytes.txt").read_text()
+
+
+def _failing_rank(rank, world):
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+
+
+def test_the_rank_runner_reports_a_failing_rank():
+    with pytest.raises(AssertionError, match="(?s)rank 1 failed.*boom from rank 1"):
+        run_ranks(_failing_rank, 2, timeout=120)
+
+
+# ----------------------------------------------------------------------------- FSDP2
+
+
+def _fsdp_ranks(rank, world):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    gen = torch.Generator().manual_seed(1)
+    N, H, V = 19, 12, 61  # 61 rows over 2 ranks: uneven shards (31 + 30)
+    hiddens = [torch.randn(N, H, generator=gen) for _ in range(world)]
+    targets = [torch.randint(0, V, (N,), generator=gen) for _ in range(world)]
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(H, V)
+
+        def forward(self, hidden, y):
+            return self.logps(hidden, y)
+
+        def logps(self, hidden, y):
+            w, b = self.lm_head.weight, self.lm_head.bias
+            return fk.fused_linear_logprobs(hidden, w, y, b, 0.9)
+
+    torch.manual_seed(3)
+    plain = Head()
+    for p in plain.parameters():
+        p.data.normal_()
+    mesh = init_device_mesh("cpu", (world,))
+    # reference: the unsharded model, gradients averaged over the ranks' batches (DDP)
+    want_loss = fk.fused_linear_logprobs(
+        hiddens[rank], plain.lm_head.weight, targets[rank], plain.lm_head.bias, 0.9
+    ).sum()
+    for h, y in zip(hiddens, targets):
+        (plain(h, y).sum() / world).backward()
+
+    # (1) the DTensor parameters passed as they are, outside any FSDP forward
+    model = copy.deepcopy(plain)
+    model.zero_grad(set_to_none=True)
+    fully_shard(model, mesh=mesh)
+    w, b = model.lm_head.weight, model.lm_head.bias
+    assert distributed.is_dtensor(w) and distributed.is_dtensor(b)
+    loss = fk.fused_linear_logprobs(hiddens[rank], w, targets[rank], b, 0.9).sum()
+    loss.backward()
+    assert_close("FSDP2 DTensor loss", loss.detach(), want_loss.detach())
+    for name, p in (("weight", w), ("bias", b)):
+        grad = p.grad
+        assert distributed.is_dtensor(grad), f"{name}.grad is not a DTensor"
+        assert tuple(grad.placements) == tuple(p.placements)
+        want = getattr(plain.lm_head, name).grad
+        assert_close(f"FSDP2 DTensor d{name}", grad.full_tensor(), want)
+
+    # (2) a method registered as an FSDP forward: the parameters are unsharded plain tensors
+    # inside it, and FSDP reduce-scatters their gradients
+    model = copy.deepcopy(plain)
+    model.zero_grad(set_to_none=True)
+    fully_shard(model, mesh=mesh)
+    register_fsdp_forward_method(model, "logps")
+    model.logps(hiddens[rank], targets[rank]).sum().backward()
+    for name in ("weight", "bias"):
+        grad = getattr(model.lm_head, name).grad
+        want = getattr(plain.lm_head, name).grad
+        assert_close(f"FSDP2 forward d{name}", grad.full_tensor(), want)
+
+
+@pytest.mark.parametrize("backend", ["cpp"])
+def test_fsdp2_dtensor_lm_head(backend, monkeypatch):
+    monkeypatch.setenv("FGRPO_BACKEND", "cpu")
+    run_ranks(_fsdp_ranks, 2)
