@@ -640,8 +640,10 @@ def module_cases() -> list[Case]:
     add("gift_beta_neg", "GIFT beta = -1", "error", gift(d, beta=-1.0))
     add("fdo_beta_neg", "FDO beta = -1", "error", fdo(d, beta=-1.0))
     add("grpo_loss_type", "GRPO loss_type 'ppo'", "error", grpo(d, "ppo"))
-    add("tau_1e-20", "GRPO temperature 1e-20, compute_entropy", "value",
-        grpo(d, temperature=1e-20, compute_entropy=True))  # fmt: skip
+    add("tau_1e-20", "f-GRPO temperature 1e-20, compute_entropy", "value",
+        fgrpo(d, temperature=1e-20, compute_entropy=True))  # fmt: skip
+    add("tau_1e-20_kl", "GRPO beta 0.04, temperature 1e-20 (k3 saturated: |dhidden| ~ 1e52)",
+        "value", grpo(d, temperature=1e-20))  # fmt: skip
     add("tau_0", "GRPO temperature 0", "error", grpo(d, temperature=0.0))
 
     def bad(**changes):
@@ -722,8 +724,12 @@ def reference_cases() -> list[Case]:
         primitive_case(ref_logprobs, h, w, yk, banned_bias(), entropy=True))  # fmt: skip
     add("logprobs_H0", "reference.logprobs, H = 0", "error",
         primitive_case(ref_logprobs, torch.randn(N_, 0), torch.randn(V_, 0), y))  # fmt: skip
-    add("logprobs_meta", "reference.logprobs, meta tensors", "error",
-        primitive_case(ref_logprobs, h.to("meta"), w.to("meta"), y.to("meta"), grad=False))
+    add(
+        "logprobs_meta",
+        "reference.logprobs, meta tensors",
+        "error",
+        primitive_case(ref_logprobs, h.to("meta"), w.to("meta"), y.to("meta"), grad=False),
+    )
     yy = y.clone()
     yy[0] = V_
     add("logprobs_oob", "reference.logprobs, a target = V", "error",
@@ -770,8 +776,12 @@ def reference_cases() -> list[Case]:
     add("fhal_lam", "fhal_loss lam = 2", "error",
         value_case(lambda: reference.fhal_loss(lp, ref, adv, mask, lp, ref, mask, chosen,
                                                lam=2.0), 0))  # fmt: skip
-    add("mask_shape", "grpo_loss mask [B, T+1]", "error",
-        value_case(lambda: reference.grpo_loss(lp, old, ref, adv, torch.ones(B, T + 1)), 0))
+    add(
+        "mask_shape",
+        "grpo_loss mask [B, T+1]",
+        "error",
+        value_case(lambda: reference.grpo_loss(lp, old, ref, adv, torch.ones(B, T + 1)), 0),
+    )
     add("meta", "grpo_loss on meta tensors", "error",
         value_case(lambda: reference.grpo_loss(lp.to("meta"), None, None, adv.to("meta"),
                                                mask.to("meta")), 0))  # fmt: skip
@@ -779,12 +789,23 @@ def reference_cases() -> list[Case]:
     e = torch.zeros(0, T, requires_grad=True)
     e_m, e_a = torch.zeros(0, T, dtype=torch.bool), torch.zeros(0)
     for lt in ("dapo", "grpo", "dr_grpo", "bnpo"):
-        add(f"empty_grpo_{lt}", f"grpo_loss B = 0, {lt}", "value",
-            value_case(lambda lt=lt: reference.grpo_loss(e, e, e, e_a, e_m, lt), 0.0, (e,)))
+        add(
+            f"empty_grpo_{lt}",
+            f"grpo_loss B = 0, {lt}",
+            "value",
+            value_case(lambda lt=lt: reference.grpo_loss(e, e, e, e_a, e_m, lt), 0.0, (e,)),
+        )
     for level in ("token", "sequence"):
-        add(f"empty_fgrpo_{level}", f"fgrpo_loss B = 0, kl, {level} level", "value",
-            value_case(lambda level=level: reference.fgrpo_loss(e, e, e_a, e_m, "kl",
-                                                               level=level), 0.0, (e,)))
+        add(
+            f"empty_fgrpo_{level}",
+            f"fgrpo_loss B = 0, kl, {level} level",
+            "value",
+            value_case(
+                lambda level=level: reference.fgrpo_loss(e, e, e_a, e_m, "kl", level=level),
+                0.0,
+                (e,),
+            ),
+        )
     add("empty_gift", "gift_loss B = 0", "value",
         value_case(lambda: reference.gift_loss(e, e, e_a, e_m, 2), 0.0, (e,)))  # fmt: skip
     add("empty_group_normalize", "group_normalize of 0 rewards", "value",
@@ -799,10 +820,18 @@ def reference_cases() -> list[Case]:
                    0.0, (x,)))  # fmt: skip
     add("masked_gift", "gift_loss fully masked", "value",
         value_case(lambda: reference.gift_loss(x, ref, rw, none, 2), 0.0, (x,)))  # fmt: skip
-    add("masked_fdo", "fdo_loss fully masked", "value",
-        value_case(lambda: reference.fdo_loss(x, ref, none, chosen, "kl"), 0.0, (x,)))
-    add("G0", "group_normalize num_generations 0", "error",
-        lambda: compare_all([("adv", reference.group_normalize(rw, 0), rw)], 1e-6))
+    add(
+        "masked_fdo",
+        "fdo_loss fully masked",
+        "value",
+        value_case(lambda: reference.fdo_loss(x, ref, none, chosen, "kl"), 0.0, (x,)),
+    )
+    add(
+        "G0",
+        "group_normalize num_generations 0",
+        "error",
+        lambda: compare_all([("adv", reference.group_normalize(rw, 0), rw)], 1e-6),
+    )
     return C
 
 
