@@ -280,6 +280,15 @@ def guard(run, error_ok=None) -> Callable[[], Outcome]:
     return wrapped
 
 
+def collector(cases: list[Case], prefix: str, group: str):
+    """add(name, what, expect, run, error_ok=None) appending a guarded case to `cases`."""
+
+    def add(name, what, expect, run, error_ok=None):
+        cases.append(Case(f"{prefix}{name}", group, what, expect, guard(run, error_ok), error_ok))
+
+    return add
+
+
 def double_backward_case(fn_loss, leaves_fn, oracle_loss) -> Callable[[], Outcome]:
     """d/dθ of <dL/dhidden, v>: create_graph through the first gradient."""
 
@@ -307,9 +316,7 @@ def primitive_cases(fn, group: str, prefix: str) -> list[Case]:
     hb, wb, yb, bb = data(dtype=torch.bfloat16, bias=True)
     hh, wh, yh, bh = data(dtype=torch.float16, bias=True)
     C = []
-
-    def add(name, what, expect, run, error_ok=None):
-        C.append(Case(f"{prefix}{name}", group, what, expect, guard(run, error_ok), error_ok))
+    add = collector(C, prefix, group)
 
     def val(name, what, *args, expect="value", **kw):
         add(name, what, expect, primitive_case(fn, *args, **kw))
@@ -484,9 +491,7 @@ def lazy(build: Callable[[], Callable[[], Outcome]]) -> Callable[[], Outcome]:
 
 def module_cases() -> list[Case]:
     C = []
-
-    def add(name, what, expect, run, error_ok=None):
-        C.append(Case(f"M.{name}", "modules", what, expect, guard(run, error_ok), error_ok))
+    add = collector(C, "M.", "modules")
 
     def fgrpo(d, bias=None, div="pearson", level="token", rewards=False, zero=False, **opts):
         return lazy(lambda: _fgrpo(d, bias, div, level, rewards, zero, **opts))
@@ -710,9 +715,7 @@ def value_case(fn, want, grads=()) -> Callable[[], Outcome]:
 
 def reference_cases() -> list[Case]:
     C = []
-
-    def add(name, what, expect, run):
-        C.append(Case(f"R.{name}", "reference", what, expect, guard(run)))
+    add = collector(C, "R.", "reference")
 
     h, w, y, b = data(bias=True)
     for dt in (torch.int8, torch.uint8, torch.int32, torch.int16):
@@ -840,9 +843,7 @@ def reference_cases() -> list[Case]:
 
 def op_cases() -> list[Case]:
     C = []
-
-    def add(name, what, expect, run):
-        C.append(Case(f"O.{name}", "raw ops", what, expect, guard(run)))
+    add = collector(C, "O.", "raw ops")
 
     h, w, y, b = data(bias=True)
     add("fwd", "fgrpo.logprob_fwd/bwd, fp32, bias, entropy", "value",
@@ -933,9 +934,29 @@ def table(results: list[Result]) -> str:
     lines = ["| case | input | expects | got | detail |", "|---|---|---|---|---|"]
     for r in results:
         got = r.outcome.kind if r.as_expected else f"**{r.outcome.kind}**"
-        detail = r.outcome.detail.replace("|", "\\|")
-        lines.append(f"| {r.case.name} | {r.case.what} | {r.case.expect} | {got} | {detail} |")
+        what, detail = (x.replace("|", "\\|") for x in (r.case.what, r.outcome.detail))
+        lines.append(f"| {r.case.name} | {what} | {r.case.expect} | {got} | {detail} |")
     return "\n".join(lines)
+
+
+def source_version() -> str:
+    """The commit of the fgrpo_kernels under test (+ "modified" for uncommitted changes)."""
+    import subprocess
+    from pathlib import Path
+
+    where = Path(fk.__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(where), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(where), "status", "--porcelain", "--", ".", "../csrc"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return f"version {fk.__version__} (not a git checkout)"
+    return f"commit {commit}" + (" + uncommitted changes" if dirty else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -951,8 +972,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run_cases(cases, args.verbose)
     backend = fk.cpu_backend() if args.backend != "triton" else "triton (interpreter)"
     title = (
-        f"Fuzz of the public API, backend {backend}, torch {torch.__version__}, "
-        f"fgrpo_kernels {fk.__version__}\n\n"
+        f"Fuzz of the public API (`python bench/fuzz_public_api.py --backend {args.backend}`): "
+        f"backend {backend}, torch {torch.__version__}, fgrpo_kernels at {source_version()}\n\n"
     )
     text = title + summary(results) + "\n\n" + table(results) + "\n"
     print(summary(results))
