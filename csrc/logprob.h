@@ -34,6 +34,11 @@ constexpr int64_t SUB_H = 512;     // pieces run sgemm faster on this K = CHUNK_
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// e^u is exactly 0 in fp32 for u below this (the smallest denormal is e^-103.3). A factor that
+// multiplies e^u takes max(u, EXP_ZERO_BELOW) instead of u, so banned tokens (u = −inf) and
+// tokens far below the max (u ≈ −1e20 at a tiny temperature) contribute 0, never 0·∞.
+constexpr float EXP_ZERO_BELOW = -128.f;
+
 // Row-major C[m, n] = alpha * A[m, k] · op(B) + beta * C, single-threaded (tiles.cpp).
 // op(B) = B^T with B [n, k] (nt), B [k, n] (nn); tn: C = alpha * A^T · B with A [k, m].
 void gemm_nt(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,

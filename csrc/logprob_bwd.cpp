@@ -4,6 +4,8 @@
 //   dz = (g·(onehot_y − p) − g_H·p·(u + H)) / τ = p·(a + c·u) + onehot_y·g/τ,
 //        a = −(g + g_H·H)/τ, c = −g_H/τ      (a = c = 0 on ignored rows: the tile row is 0)
 //   dh = dz W,  dW = dz^T h,  db = Σ_n dz
+// p = 0 tokens (banned: u = −inf, or far below the max) give dz = 0: u is floored at
+// EXP_ZERO_BELOW in the factor (a + c·u), where e^u is already 0.
 // Sweeps of SUPER_V vocab entries (outer) x CHUNK_N tokens (inner). Phase 1, one task per token
 // block: dz of its BLOCK_N x SUPER_V tile into the [CHUNK_N, SUPER_V] dz buffer, then
 // dh += dz W_sweep. Phase 2, one task per fixed SUB_V x SUB_H piece of the sweep:
@@ -24,16 +26,16 @@ namespace {
 inline void row_grad(float* zr, const float* b, int64_t cols, float lse, float a, float c) {
   constexpr int64_t W = Vec::size();
   const int64_t vec_end = cols - cols % W;
-  const Vec vl(lse), va(a), vc(c);
+  const Vec vl(lse), va(a), vc(c), vfloor(EXP_ZERO_BELOW);
   for (int64_t j = 0; j < vec_end; j += W) {
     Vec z = Vec::loadu(zr + j);
     if (b != nullptr) z = z + Vec::loadu(b + j);
     const Vec u = z - vl;
-    (u.exp() * at::vec::fmadd(vc, u, va)).store(zr + j);
+    (u.exp() * at::vec::fmadd(vc, at::vec::maximum(u, vfloor), va)).store(zr + j);
   }
   for (int64_t j = vec_end; j < cols; ++j) {
     const float u = zr[j] + (b != nullptr ? b[j] : 0.f) - lse;
-    zr[j] = std::exp(u) * (a + c * u);
+    zr[j] = std::exp(u) * (a + c * std::max(u, EXP_ZERO_BELOW));
   }
 }
 
@@ -123,7 +125,8 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
           // NB: the target's g·(1 − p_y)/τ as −(g/τ)·expm1(u_y): a near-certain target keeps
           // its precision (1 − p_y would cancel).
           if (hit) {
-            zr[local] = -cy[n] * std::expm1(u_y) + std::exp(u_y) * (ca[n] + cy[n] + cc[n] * u_y);
+            const float u_lin = std::max(u_y, EXP_ZERO_BELOW);
+            zr[local] = -cy[n] * std::expm1(u_y) + std::exp(u_y) * (ca[n] + cy[n] + cc[n] * u_lin);
           }
         }
         if (need_h) gemm_nn(rows, H, scols, 1.f, dz, SUPER_V, w, H, 1.f, dhs + n0 * H, H);

@@ -30,19 +30,21 @@ inline void online_update(const float* z, int64_t cols, bool with_entropy, RowSt
   float tile_max = vmax.reduce_max();
   for (int64_t j = vec_end; j < cols; ++j) tile_max = std::max(tile_max, z[j]);
   const float m_new = std::max(st.m, tile_max);
-  const Vec vm(m_new);
+  // NB: a tile of banned tokens (−inf) leaves m at −inf: shift by 0 (s, t stay 0), not −inf.
+  const float m_ref = m_new == -std::numeric_limits<float>::infinity() ? 0.f : m_new;
+  const Vec vm(m_ref), vfloor(EXP_ZERO_BELOW);
   Vec vs(0.f), vt(0.f);
   for (int64_t j = 0; j < vec_end; j += W) {
     const Vec u = Vec::loadu(z + j) - vm;
     const Vec e = u.exp();
     vs = vs + e;
-    if (with_entropy) vt = at::vec::fmadd(e, u, vt);
+    if (with_entropy) vt = at::vec::fmadd(e, at::vec::maximum(u, vfloor), vt);
   }
   float s_tile = vs.reduce_add(), t_tile = vt.reduce_add();
   for (int64_t j = vec_end; j < cols; ++j) {
-    const float u = z[j] - m_new, e = std::exp(u);
+    const float u = z[j] - m_ref, e = std::exp(u);
     s_tile += e;
-    t_tile += e * u;
+    t_tile += e * std::max(u, EXP_ZERO_BELOW);
   }
   if (st.m == -std::numeric_limits<float>::infinity()) {
     st.s = s_tile;

@@ -1,6 +1,7 @@
 // The custom ops torch.ops.fgrpo.logprob_fwd / logprob_bwd (CPU kernels; the fake kernels that
-// torch.compile traces live in fgrpo_kernels/cpu/cpp.py). Checks here guard direct callers;
-// the public function validates its arguments before reaching them.
+// torch.compile traces live in fgrpo_kernels/cpu/cpp.py). Checks here guard direct callers
+// (ValueError / TypeError naming the argument); the public function validates its arguments
+// before reaching them.
 #include <torch/library.h>
 
 #include "logprob.h"
@@ -13,31 +14,45 @@ bool float_family(const Tensor& t) {
   return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
 }
 
-void check_inputs(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                  const std::optional<Tensor>& bias, double temperature) {
-  TORCH_CHECK(hidden.dim() == 2, "hidden: expected shape [N, H]; got ", hidden.sizes());
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == hidden.size(1),
-              "weight: expected shape [V, ", hidden.size(1), "]; got ", weight.sizes());
-  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0),
-              "targets: expected shape [", hidden.size(0), "]; got ", targets.sizes());
-  TORCH_CHECK(targets.scalar_type() == at::kLong, "targets: expected int64; got ",
-              targets.scalar_type());
-  TORCH_CHECK(float_family(hidden) && float_family(weight),
-              "hidden, weight: expected fp32, bf16 or fp16; got ", hidden.scalar_type(), ", ",
-              weight.scalar_type());
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0),
-                "bias: expected shape [", weight.size(0), "]; got ", bias->sizes());
-    TORCH_CHECK(bias->is_floating_point(), "bias: expected a floating tensor");
+// The one place that fixes which target ids are valid: rows of this weight, [0, V), or
+// ignore_index. O(N), next to O(N·V·H) of work. (A vocabulary-parallel shard holds rows
+// [vocab_start, vocab_start + V) of a larger vocabulary: it would check the global range here.)
+void check_targets_in_vocab(const Tensor& targets, int64_t ignore_index, int64_t vocab) {
+  const Tensor y_t = targets.contiguous();
+  const int64_t* y = y_t.const_data_ptr<int64_t>();
+  for (int64_t n = 0; n < y_t.numel(); ++n) {
+    TORCH_CHECK_VALUE(y[n] == ignore_index || (y[n] >= 0 && y[n] < vocab),
+                      "targets: expected ids in [0, ", vocab, ") or ignore_index=", ignore_index,
+                      "; got ", y[n], " at position ", n);
   }
-  TORCH_CHECK(temperature > 0, "temperature: expected > 0; got ", temperature);
+}
+
+void check_inputs(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                  const std::optional<Tensor>& bias, double temperature, int64_t ignore_index) {
+  TORCH_CHECK_VALUE(hidden.dim() == 2, "hidden: expected shape [N, H]; got ", hidden.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(1),
+                    "weight: expected shape [V, ", hidden.size(1), "]; got ", weight.sizes());
+  TORCH_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == hidden.size(0),
+                    "targets: expected shape [", hidden.size(0), "]; got ", targets.sizes());
+  TORCH_CHECK_TYPE(targets.scalar_type() == at::kLong, "targets: expected int64; got ",
+                   targets.scalar_type());
+  TORCH_CHECK_TYPE(float_family(hidden) && float_family(weight),
+                   "hidden, weight: expected fp32, bf16 or fp16; got ", hidden.scalar_type(),
+                   ", ", weight.scalar_type());
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0),
+                      "bias: expected shape [", weight.size(0), "]; got ", bias->sizes());
+    TORCH_CHECK_TYPE(bias->is_floating_point(), "bias: expected a floating tensor");
+  }
+  TORCH_CHECK_VALUE(temperature > 0, "temperature: expected > 0; got ", temperature);
+  check_targets_in_vocab(targets, ignore_index, weight.size(0));
 }
 
 std::tuple<Tensor, Tensor, Tensor> fwd(const Tensor& hidden, const Tensor& weight,
                                        const Tensor& targets, const std::optional<Tensor>& bias,
                                        double temperature, int64_t ignore_index,
                                        bool return_entropy) {
-  check_inputs(hidden, weight, targets, bias, temperature);
+  check_inputs(hidden, weight, targets, bias, temperature, ignore_index);
   return logprob_fwd_cpu(hidden, weight, targets, bias, temperature, ignore_index,
                          return_entropy);
 }
@@ -48,11 +63,11 @@ std::tuple<Tensor, Tensor, Tensor> bwd(
     const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_entropy,
     double temperature, int64_t ignore_index, bool need_hidden, bool need_weight,
     bool need_bias) {
-  check_inputs(hidden, weight, targets, bias, temperature);
+  check_inputs(hidden, weight, targets, bias, temperature, ignore_index);
   const int64_t N = hidden.size(0);
-  TORCH_CHECK(lse.numel() == N, "lse: expected ", N, " values; got ", lse.numel());
+  TORCH_CHECK_VALUE(lse.numel() == N, "lse: expected ", N, " values; got ", lse.numel());
   for (const auto* t : {&entropy, &grad_logp, &grad_entropy}) {
-    TORCH_CHECK(!t->has_value() || (*t)->numel() == N,
+    TORCH_CHECK_VALUE(!t->has_value() || (*t)->numel() == N,
                 "entropy, grad_logp, grad_entropy: expected ", N, " values each");
   }
   return logprob_bwd_cpu(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,

@@ -4,14 +4,19 @@ Backends (Triton, C++ CPU, chunked-PyTorch CPU) share two launchers, `logprob_fw
 `logprob_bwd`; the Function saves (hidden, weight, targets, bias, lse, entropy) and feeds the
 gradient of every per-row output back to `logprob_bwd`, so any loss built on the rows
 backpropagates through the kernel without the kernel knowing the loss.
+
+Both backward passes are first-order only: under create_graph=True their results carry a
+grad_fn that raises `HIGHER_ORDER` when differentiated (never a silently wrong value).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from types import ModuleType
 
 import torch
+from torch._C import _functions
 
 from . import distributed
 from .options import LogProbOptions
@@ -33,6 +38,39 @@ def use_triton(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return interpreting() if forced == "auto" else forced == "triton"
+
+
+HIGHER_ORDER = (
+    "fgrpo_kernels: higher-order gradients are not supported (the fused log-prob and loss "
+    "backward passes are first-order only); for a gradient of a gradient use "
+    "fgrpo_kernels.reference, which materialises the logits"
+)
+
+
+def first_order_only(backward):
+    """`torch.autograd.function.once_differentiable` with a message that says why: the
+    backward runs without recording a graph, and under create_graph=True its outputs get a
+    grad_fn that raises HIGHER_ORDER when a second derivative reaches it.
+
+    NB: the error node also takes the saved tensors that require grad, so that the inputs of
+    the forward stay reachable from the gradients (torch.autograd.grad(g, weight) then raises
+    HIGHER_ORDER rather than "appears to not have been used in the graph")."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled() or not any(ctx.needs_input_grad):
+            return outputs
+        inputs = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+        error = _functions.DelayedError(HIGHER_ORDER.encode(), len(outputs) + len(inputs))
+
+        def alias(t):
+            return t if t is None else t.detach().requires_grad_()
+
+        return tuple(error(*[alias(t) for t in outputs], *inputs)[: len(outputs)])
+
+    return wrapper
 
 
 def select_backend(device: torch.device) -> ModuleType:
@@ -75,6 +113,7 @@ class LinearLogProbFunction(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets, bias, lse, entropy = ctx.saved_tensors
         if entropy is None:
@@ -100,11 +139,12 @@ class EpilogueFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logps, epilogue, *args):
         loss, grad = epilogue(logps, *args)
-        ctx.save_for_backward(grad)
+        ctx.save_for_backward(grad, logps)
         ctx.n_args = len(args)
         return loss
 
     @staticmethod
+    @first_order_only
     def backward(ctx, grad_loss):
-        (grad,) = ctx.saved_tensors
+        grad, _ = ctx.saved_tensors
         return (grad * grad_loss, None) + (None,) * ctx.n_args

@@ -30,8 +30,11 @@ Fn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def clamp_exp_arg(x: torch.Tensor) -> torch.Tensor:
-    """min(x, 80) in value, identity in slope: exp(clamp_exp_arg(x)) saturates value and slope."""
-    return x - (x - EXP_CLAMP).clamp(min=0).detach()
+    """min(x, 80) in value, identity in slope: exp(clamp_exp_arg(x)) saturates value and slope.
+
+    NB: 80 + (x − x.detach()) is exactly 80; x − (x − 80).detach() rounds to x − x = 0 once the
+    spacing of x passes 80 (x > 2^30 in fp32, 2^59 in fp64), and e^0 is silently wrong."""
+    return torch.where(x > EXP_CLAMP, EXP_CLAMP + (x - x.detach()), x)
 
 
 def sat_exp(x: torch.Tensor) -> torch.Tensor:

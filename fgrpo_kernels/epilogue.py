@@ -34,6 +34,12 @@ def _with_grad(loss_fn, logps: torch.Tensor, *args) -> tuple[torch.Tensor, torch
     return loss.detach().to(logps.dtype), grad.to(logps.dtype)
 
 
+def _no_tokens_zero(result: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor):
+    """The Triton twin of `reference.zero_without_tokens` (dL/dlogp is already 0 where masked)."""
+    loss, grad = result
+    return reference.zero_without_tokens(loss, mask), grad
+
+
 def _triton(device: torch.device):
     if use_triton(device):
         from .kernels import epilogue
@@ -47,7 +53,8 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
     per group inside); `old_logps` [B, T] only for group_is_weights."""
     kernels = _triton(logps.device)
     if kernels is not None:
-        return kernels.fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts)
+        result = kernels.fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts)
+        return _no_tokens_zero(result, mask)
     return _with_grad(reference.fgrpo, logps, ref_logps, mask, advantages, rewards, old_logps, opts)
 
 
@@ -65,7 +72,7 @@ def gift(logps, ref_logps, mask, rewards, opts: GIFTOptions):
     """GIFT: (loss, dL/dlogps), through the group statistics unless opts.detach_stats."""
     kernels = _triton(logps.device)
     if kernels is not None:
-        return kernels.gift(logps, ref_logps, mask, rewards, opts)
+        return _no_tokens_zero(kernels.gift(logps, ref_logps, mask, rewards, opts), mask)
     return _with_grad(reference.gift, logps, ref_logps, mask, rewards, opts)
 
 
@@ -81,4 +88,4 @@ def fdo(logps, ref_logps, mask, chosen, opts: FDOOptions):
         chosen, 1.0 / n_chosen.to(dtype), -1.0 / (chosen.numel() - n_chosen).to(dtype)
     )
     seq = FGRPOOptions(opts.divergence, opts.beta, Level.SEQUENCE, Reduction.SUM)
-    return kernels.fgrpo(logps, ref_logps, mask, adv, None, None, seq)
+    return _no_tokens_zero(kernels.fgrpo(logps, ref_logps, mask, adv, None, None, seq), mask)

@@ -24,7 +24,7 @@ class _FusedLinearLoss(torch.nn.Module):
 
     def __init__(self, temperature=1.0, compute_entropy=False, fast_fp32=False):
         super().__init__()
-        self.temperature = check.positive("temperature", temperature)
+        self.temperature = check.temperature(temperature)
         self.compute_entropy = bool(compute_entropy)
         self.fast_fp32 = bool(fast_fp32)
 
@@ -203,8 +203,7 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
         check.tensor("advantages", advantages, shape=(B,), floating=True)
         check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
-        if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor):
-            check.positive("num_items_in_batch", num_items_in_batch, allow_zero=True)
+        check.num_items_in_batch(num_items_in_batch)
         ref = None
         if opts.beta != 0.0 and self.use_ref_model:
             ref = self._given_or_computed(

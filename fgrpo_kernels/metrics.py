@@ -12,6 +12,11 @@ from .options import FGRPOOptions, GIFTOptions, GRPOOptions, Level
 from .reference import group_zscore
 
 
+def _mean(x: torch.Tensor) -> torch.Tensor:
+    """The mean, 0 over no element (B = 0)."""
+    return x.mean() if x.numel() else x.new_zeros(())
+
+
 def _common(loss, logps, ref, mask, entropy):
     out = {"loss": loss.detach()}
     if ref is not None:
@@ -53,7 +58,7 @@ def grpo(loss, logps, old, ref, mask, advantages, entropy, opts: GRPOOptions):
     low, high = grpo_math.clip_indicators(ratio, advantages, opts.epsilon_low, opts.epsilon_high)
 
     def mean(x):
-        return x.mean() if x.shape[1] == 1 else grpo_math.masked_mean(x, mask)
+        return _mean(x) if x.shape[1] == 1 else grpo_math.masked_mean(x, mask)
 
     out["clip_ratio/low_mean"] = mean(low)
     out["clip_ratio/high_mean"] = mean(high)
@@ -63,7 +68,7 @@ def grpo(loss, logps, old, ref, mask, advantages, entropy, opts: GRPOOptions):
 
 def gift(loss, logps, ref, mask, entropy, opts: GIFTOptions):
     out = _common(loss, logps, ref, mask, entropy)
-    out["implicit_reward"] = _implicit_rewards(logps, ref, mask, opts.beta, Level.SEQUENCE).mean()
+    out["implicit_reward"] = _mean(_implicit_rewards(logps, ref, mask, opts.beta, Level.SEQUENCE))
     return out
 
 

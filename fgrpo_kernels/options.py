@@ -132,7 +132,7 @@ class FGRPOOptions:
             check.positive_int("num_generations", num_generations)
         return cls(
             divergence=get_divergence(divergence),
-            beta=check.real("beta", beta),
+            beta=check.positive("beta", beta, allow_zero=True),
             level=level,
             reduction=reduction,
             num_generations=num_generations,
@@ -159,8 +159,10 @@ class GRPOOptions:
     ) -> GRPOOptions:  # fmt: skip
         loss_type = parse(LossType, "loss_type", loss_type)
         level = parse(Level, "importance_sampling_level", importance_sampling_level)
-        beta = check.real("beta", beta)
-        low = check.positive("epsilon_low", epsilon_low, allow_zero=True)
+        beta = check.positive("beta", beta, allow_zero=True)
+        low = check.unit_fraction(
+            "epsilon_low", epsilon_low, "the lower clip bound 1 − epsilon_low must stay > 0"
+        )
         high = check.positive("epsilon_high", epsilon_high, allow_zero=True)
         if max_completion_length is not None:
             check.positive_int("max_completion_length", max_completion_length)
@@ -180,7 +182,7 @@ class GIFTOptions:
         check.positive_int("num_generations", num_generations)
         return cls(
             num_generations,
-            check.real("beta", beta),
+            check.positive("beta", beta, allow_zero=True),
             check.positive("eps", eps, allow_zero=True),
             bool(unbiased),
             bool(detach_stats),
@@ -194,7 +196,7 @@ class FDOOptions:
 
     @classmethod
     def parse(cls, divergence, beta) -> FDOOptions:
-        return cls(get_divergence(divergence), check.real("beta", beta))
+        return cls(get_divergence(divergence), check.positive("beta", beta, allow_zero=True))
 
 
 def mixing_weight(lam) -> float:

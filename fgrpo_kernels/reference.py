@@ -63,13 +63,23 @@ def logprobs(
     if bias is not None:
         logits = logits + bias.to(dtype)
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    targets = targets.long()
     valid = targets != ignore_index
     picked = logp_all.gather(-1, torch.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
     logp = torch.where(valid, picked, 0.0)
     if not return_entropy:
         return logp
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    p = logp_all.exp()
+    # a banned token (−inf logit) has p = 0 and adds 0, not 0·(−inf)
+    entropy = -(p * torch.where(p > 0, logp_all, 0.0)).sum(-1)
     return logp, torch.where(valid, entropy, 0.0)
+
+
+def zero_without_tokens(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`loss`, or 0 with no gradient when the mask counts no token (B = 0, or every token
+    masked): a sequence-level or group loss would otherwise be NaN (a mean over no rows) or
+    a constant of the empty rows."""
+    return torch.where(mask.bool().any(), loss, 0.0)
 
 
 # ----------------------------------------------------------------------------- groups
@@ -199,14 +209,16 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
     if opts.level == Level.SEQUENCE:
         u = weight * phi(beta * _seq_log_ratio(logps, ref_logps, mask, dtype), positive,
                          opts.divergence)  # fmt: skip
-        return u.mean() if opts.reduction == Reduction.SEQ_MEAN else u.sum()
-    diff = torch.where(mask.bool(), logps.to(dtype) - ref_logps.to(dtype), 0.0)
-    u = m * weight[:, None] * phi(beta * diff, positive[:, None], opts.divergence)
+    else:
+        diff = torch.where(mask.bool(), logps.to(dtype) - ref_logps.to(dtype), 0.0)
+        u = m * weight[:, None] * phi(beta * diff, positive[:, None], opts.divergence)
     if opts.reduction == Reduction.TOKEN_MEAN:
-        return u.sum() / m.sum().clamp(min=1.0)
-    if opts.reduction == Reduction.SEQ_MEAN:
-        return (u.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    return u.sum()
+        loss = u.sum() / m.sum().clamp(min=1.0)
+    elif opts.reduction == Reduction.SEQ_MEAN and opts.level == Level.TOKEN:
+        loss = (u.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    else:
+        loss = u.mean() if opts.reduction == Reduction.SEQ_MEAN else u.sum()
+    return zero_without_tokens(loss, mask)
 
 
 # ----------------------------------------------------------------------------- GRPO family
@@ -236,6 +248,7 @@ def grpo_loss(
     check.optional_per_token("old_logps", old_logps, B, T)
     check.optional_per_token("ref_logps", ref_logps, B, T)
     check.tensor("advantages", advantages, shape=(B,), floating=True)
+    check.num_items_in_batch(num_items_in_batch)
     opts = GRPOOptions.parse(
         loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
         max_completion_length,
@@ -293,7 +306,7 @@ def gift(logps, ref_logps, mask, rewards, opts: GIFTOptions):
     k = _seq_log_ratio(logps, ref_logps, mask, dtype)
     r_hat = group_zscore(rewards.to(dtype), G, opts.eps, opts.unbiased)
     k_hat = group_zscore(k, G, opts.eps, opts.unbiased, detach_stats=opts.detach_stats)
-    return ((r_hat - opts.beta * k_hat) ** 2).mean()
+    return zero_without_tokens(((r_hat - opts.beta * k_hat) ** 2).mean(), mask)
 
 
 # ----------------------------------------------------------------------------- FDO / f-HAL
@@ -310,7 +323,8 @@ def fdo(logps, ref_logps, mask, chosen, opts: FDOOptions):
     """`fdo_loss` on parsed options."""
     spec = TABLE[opts.divergence]
     r = opts.beta * _seq_log_ratio(logps, ref_logps, mask, compute_dtype(logps, ref_logps))
-    return spec.phi_pos(r[chosen]).mean() + spec.phi_neg(r[~chosen]).mean()
+    return zero_without_tokens(spec.phi_pos(r[chosen]).mean() + spec.phi_neg(r[~chosen]).mean(),
+                               mask)  # fmt: skip
 
 
 def fhal_loss(

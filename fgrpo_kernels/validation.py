@@ -29,6 +29,45 @@ def positive(arg: str, value, *, allow_zero: bool = False) -> float:
     return float(value)
 
 
+# Below this the logits z/τ of any realistic lm_head (|h·w + b| up to 3e8) overflow fp32, and
+# 1/τ itself does below 3e-39.
+MIN_TEMPERATURE = 1e-30
+
+
+def temperature(value) -> float:
+    """τ > 0, finite, and ≥ MIN_TEMPERATURE (1/τ and the scaled logits must stay finite)."""
+    value = positive("temperature", value)
+    if value < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature: expected a number >= {MIN_TEMPERATURE:g} (the logits are divided by "
+            f"it in fp32); got {value!r}"
+        )
+    return value
+
+
+def unit_fraction(arg: str, value, why: str) -> float:
+    """A number in [0, 1)."""
+    value = positive(arg, value, allow_zero=True)
+    if value >= 1.0:
+        raise ValueError(f"{arg}: expected a number in [0, 1) ({why}); got {value!r}")
+    return value
+
+
+def num_items_in_batch(value) -> None:
+    """None, or a positive count (a number or a one-element tensor): the dapo normaliser."""
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        tensor("num_items_in_batch", value)
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(
+                "num_items_in_batch: expected a number or a one-element real tensor; got "
+                f"{value.dtype} of shape {list(value.shape)}"
+            )
+        value = value.item()
+    positive("num_items_in_batch", value)
+
+
 def real(arg: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{arg}: expected a real number; got {type(value).__name__}")
@@ -49,6 +88,8 @@ def tensor(
     """Check a tensor's type, rank, shape (None = any size on that axis) and dtype."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{arg}: expected a torch.Tensor; got {type(t).__name__}")
+    if t.is_meta:
+        raise ValueError(f"{arg}: expected a tensor with data; got a meta tensor")
     if shape is not None:
         ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
         if not ok:
@@ -94,14 +135,44 @@ def same_device(tensors: dict[str, torch.Tensor | None]) -> None:
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 
 
-def logprob_inputs(hidden, weight, targets, bias, temperature, ignore_index, vocab_size=None):
+def lm_head_sizes(prefix: str, hidden, weight) -> None:
+    """H ≥ 1 and V ≥ 1: an lm_head with no hidden units or no vocabulary has no softmax."""
+    if hidden.shape[-1] == 0:
+        raise ValueError(
+            f"{prefix}hidden: expected a hidden size H >= 1; got shape {list(hidden.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight: expected V >= 1 vocabulary rows; got shape {list(weight.shape)}")
+
+
+def bias_entries(bias) -> None:
+    """A bias may hold −inf (a banned token: p = 0, as logit processors do), not NaN or +inf,
+    and not only −inf (no token left)."""
+    if bias is None:
+        return
+    bias = bias.detach()
+    bad = torch.isnan(bias) | (bias == float("inf"))
+    any_bad, all_banned = torch.stack([bad.any(), (bias == float("-inf")).all()]).tolist()
+    if any_bad:
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"bias: expected finite entries or -inf (banned tokens); got {float(bias[index])} "
+            f"at index {index}"
+        )
+    if all_banned:
+        raise ValueError("bias: expected at least one entry above -inf; every token is banned")
+
+
+def logprob_inputs(hidden, weight, targets, bias, temperature_, ignore_index, vocab_size=None):
     """The primitive's inputs: hidden [..., H], weight [V, H], targets [...] integer, bias [V]
-    or None. `vocab_size` is the global V when weight holds one shard of the vocabulary."""
+    or None (−inf entries allowed). `vocab_size` is the global V when weight holds one shard of
+    the vocabulary."""
     tensor("hidden", hidden, floating=True)
     if hidden.dim() < 1:
         raise ValueError("hidden: expected shape [..., H]; got a 0-D tensor")
     H = hidden.shape[-1]
     tensor("weight", weight, shape=(None, H), floating=True)
+    lm_head_sizes("", hidden, weight)
     if {hidden.dtype, weight.dtype} == {torch.float16, torch.bfloat16}:
         raise TypeError(
             "weight: expected the dtype family of hidden (fp16 with fp16/fp32, bf16 "
@@ -114,10 +185,11 @@ def logprob_inputs(hidden, weight, targets, bias, temperature, ignore_index, voc
     if bias is not None:
         tensor("bias", bias, shape=(V,), floating=True)
     V = V if vocab_size is None else vocab_size
-    positive("temperature", temperature)
+    temperature(temperature_)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index: expected an int; got {type(ignore_index).__name__}")
     same_device({"hidden": hidden, "weight": weight, "targets": targets, "bias": bias})
+    bias_entries(bias)
     if targets.numel():
         bad = (targets != ignore_index) & ((targets < 0) | (targets >= V))
         if bool(bad.any()):
@@ -180,6 +252,7 @@ def linear_batch(hidden, weight, ids, mask_, bias, *, prefix: str = ""):
     tensor(f"{prefix}hidden", hidden, ndim=3, floating=True)
     B, T, H = hidden.shape
     tensor("weight", weight, shape=(None, H), floating=True)
+    lm_head_sizes(prefix, hidden, weight)
     if {hidden.dtype, weight.dtype} == {torch.float16, torch.bfloat16}:
         raise TypeError(
             f"weight: expected the dtype family of {prefix}hidden (fp16 or bf16, each with fp32); "
@@ -201,6 +274,7 @@ def linear_batch(hidden, weight, ids, mask_, bias, *, prefix: str = ""):
             "bias": bias,
         }
     )
+    bias_entries(bias)
     live = ids[mask_.bool()]
     if live.numel() and bool(((live < 0) | (live >= V)).any()):
         bad = int(live[(live < 0) | (live >= V)][0])

@@ -312,21 +312,6 @@ def test_forced_torch_never_builds(monkeypatch, failing_build):
     assert cpp.build_error() is None and "error" not in cpp._state
 
 
-def test_first_build_prints_one_line(monkeypatch, tmp_path, capsys):
-    from torch.utils import cpp_extension
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: None)
-    monkeypatch.setattr(cpp, "_register_fakes", lambda: None)
-    cpp._build_and_load()
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fgrpo_kernels: building"), lines
-    library = cpp.build_directory(cpp._isa()[0]) / f"fgrpo_cpu_{cpp._isa()[0]}.so"
-    library.touch()
-    cpp._build_and_load()
-    assert capsys.readouterr().err == "", "a cached build printed"
-
-
 def test_real_build_failure_in_a_fresh_process(tmp_path):
     env = dict(
         os.environ,

@@ -56,7 +56,7 @@ def test_grpo_log_ratios_of_200_stay_finite(monkeypatch, level):
 
 
 def test_fully_masked_batch(monkeypatch):
-    """No token counts: every loss is its reference value (0 but for GIFT's R̂²), no slope."""
+    """No token counts: every loss is its reference value (0), no slope."""
     lp = -torch.rand(4, 3, generator=torch.Generator().manual_seed(2))
     rewards = torch.tensor([1.0, 0.0, 0.3, 0.3])
     b = make_batch(lp, lp * 0.5, torch.zeros(4, 3, dtype=torch.bool), rewards - 0.5, rewards, 2)

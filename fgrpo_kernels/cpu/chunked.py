@@ -53,11 +53,14 @@ def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entr
             v1 = min(v0 + VOCAB_CHUNK, V)
             z = _logits_tile(h, weight, bias, v0, v1, inv_t)
             m_new = torch.maximum(m, z.amax(-1))
-            scale = torch.exp(m - m_new)
-            u = z - m_new[:, None]
+            # NB: banned tokens (−inf logits) have p = 0 and add nothing: a tile of them leaves
+            # m at −inf (shift by 0 instead of −inf − (−inf)), and e·u is 0 where e = 0.
+            m_ref = torch.where(torch.isfinite(m_new), m_new, 0.0)
+            scale = torch.exp(m - m_ref)
+            u = z - m_ref[:, None]
             e = torch.exp(u)
             shift = torch.where(torch.isfinite(m), m - m_new, 0.0)
-            t = scale * (t + shift * s) + (e * u).sum(-1)
+            t = scale * (t + shift * s) + torch.where(e > 0, e * u, 0.0).sum(-1)
             s = scale * s + e.sum(-1)
             m = m_new
             local = y - v0
@@ -118,7 +121,8 @@ def logprob_bwd(
             # NB: g·(1 − p_y) as −g·expm1(u_y): a near-certain target keeps its precision.
             dz[rows, local[rows]] = -gn[rows] * torch.expm1(u[rows, local[rows]])
             if g_ent is not None:
-                dz -= g_ent[n0:n1, None] * p * (u + entropy[n0:n1, None])
+                # p·(z − lse + H) is 0 where p = 0 (a banned token's u is −inf)
+                dz -= g_ent[n0:n1, None] * torch.where(p > 0, p * (u + entropy[n0:n1, None]), 0.0)
             dz.mul_(inv_t)
             if need_h:
                 dh[n0:n1] += dz @ weight[v0:v1].to(acc)

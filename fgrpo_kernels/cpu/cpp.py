@@ -2,16 +2,22 @@
 as the custom ops `torch.ops.fgrpo.logprob_fwd` / `torch.ops.fgrpo.logprob_bwd`.
 
 Built lazily on first use with `torch.utils.cpp_extension` (ninja) into the torch extensions
-cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`) and reused by later runs;
-the first build prints one line. Same signatures as `chunked.py`; fp64 inputs go to the chunked
-path (the kernels multiply in fp32). Fake kernels are registered here so `torch.compile` can
-trace the ops.
+cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`). The build directory is
+keyed by a hash of the sources, the compiler flags and the install location (the C++ sources'
+directory and torch's), so two checkouts or venvs on one machine never rebuild over each other,
+and a finished build is loaded as it is (no ninja run, whatever the files' mtimes say). Every
+build prints one line: why it runs and how long it took. Same signatures as `chunked.py`; fp64
+inputs go to the chunked path (the kernels multiply in fp32). Fake kernels are registered here
+so `torch.compile` can trace the ops.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -51,15 +57,71 @@ def _isa() -> tuple[str, list[str]]:
     return "default", ["-DCPU_CAPABILITY=DEFAULT"]
 
 
-def build_directory(tag: str) -> Path:
+def _flags(isa_flags: list[str]) -> list[str]:
+    return ["-O3", "-fopenmp", "-DNDEBUG", *isa_flags]
+
+
+def build_info(src: Path, tag: str, flags: list[str]) -> dict[str, str]:
+    """What a build depends on: the sources' hash, the flags, torch, Python and where the
+    sources and torch are installed. Equal infos build the same library."""
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update(name.encode() + b"\0" + (src / name).read_bytes() + b"\0")
+    return {
+        "sources": digest.hexdigest()[:16],
+        "flags": " ".join(flags),
+        "isa": tag,
+        "torch": torch.__version__,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "csrc": str(src.resolve()),
+        "torch_dir": str(Path(torch.__file__).resolve().parent),
+    }
+
+
+def extensions_root() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
         from torch.utils.cpp_extension import get_default_build_root
 
         root = get_default_build_root()
+    return Path(root)
+
+
+def build_directory(tag: str, info: dict[str, str]) -> Path:
+    """`<extensions root>/fgrpo_cpu_<isa>_py<XY>_torch<version>_<hash of info>`."""
     version = torch.__version__.replace(".", "_").replace("+", "_")
-    py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return Path(root) / f"fgrpo_cpu_{tag}_{py}_torch{version}"
+    py = "py" + info["python"].replace(".", "")
+    key = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:12]
+    return extensions_root() / f"fgrpo_cpu_{tag}_{py}_torch{version}_{key}"
+
+
+MARKER = "build.json"  # written into the build directory once its library is complete
+
+
+def rebuild_reason(build_dir: Path, info: dict[str, str]) -> str:
+    """Why `build_dir` has no finished library: compared with the other finished builds."""
+    if build_dir.exists():
+        return "an earlier build in this directory did not finish"
+    earlier = []
+    for marker in build_dir.parent.glob(f"fgrpo_cpu_*/{MARKER}"):
+        try:
+            earlier.append(json.loads(marker.read_text()))
+        except (OSError, ValueError):
+            continue
+    here = [e for e in earlier if e.get("csrc") == info["csrc"]]
+    if not here:
+        return f"first build for the sources in {info['csrc']}"
+    for keys, why in (
+        (("torch", "torch_dir", "python"), "the C++ sources changed"),
+        (("sources", "flags", "isa"), f"another torch or Python (torch {info['torch']})"),
+    ):
+        if any(all(e.get(k) == info[k] for k in keys) for e in here):
+            return why
+    return "another torch, Python or compiler flags, and the C++ sources changed"
+
+
+def _load_library(path: Path) -> None:
+    torch.ops.load_library(str(path))
 
 
 def _build_and_load() -> None:
@@ -70,25 +132,41 @@ def _build_and_load() -> None:
     src = csrc_dir()
     if not (src / SOURCES[0]).is_file():
         raise FileNotFoundError(f"C++ sources not found in {src}")
-    build_dir = build_directory(tag)
-    build_dir.mkdir(parents=True, exist_ok=True)
-    library = build_dir / f"{name}.so"
-    inputs = [src / f for f in SOURCES + HEADERS]
-    if not library.exists() or max(p.stat().st_mtime for p in inputs) > library.stat().st_mtime:
-        print(
-            f"fgrpo_kernels: building the C++ CPU backend in {build_dir} (once, ~1 min)",
-            file=sys.stderr,
-            flush=True,
-        )
-    cpp_extension.load(
-        name=name,
-        sources=[str(src / f) for f in SOURCES],
-        extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", *isa_flags],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
+    flags = _flags(isa_flags)
+    info = build_info(src, tag, flags)
+    build_dir = build_directory(tag, info)
+    library, marker = build_dir / f"{name}.so", build_dir / MARKER
+    if library.is_file() and marker.is_file():
+        # NB: the directory's key is the hash of everything the library depends on; loading it
+        # directly skips ninja, which would rebuild on a newer mtime alone (a git checkout).
+        _load_library(library)
+        _register_fakes()
+        return
+    reason = rebuild_reason(build_dir, info)
+    print(
+        f"fgrpo_kernels: building the C++ CPU backend ({reason}) in {build_dir} ...",
+        end="",
+        file=sys.stderr,
+        flush=True,
     )
+    start = time.perf_counter()
+    outcome = "failed after"
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name=name,
+            sources=[str(src / f) for f in SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+        seconds = time.perf_counter() - start
+        marker.write_text(json.dumps({**info, "seconds": round(seconds, 1)}, indent=1) + "\n")
+        outcome = "done in"
+    finally:
+        print(f" {outcome} {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     _register_fakes()
 
 

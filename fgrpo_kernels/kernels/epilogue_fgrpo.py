@@ -126,7 +126,8 @@ def _norm(mask: torch.Tensor, B: int, opts: FGRPOOptions) -> torch.Tensor:
     """The global factor of every unit: 1/max(Σ mask, 1) (token_mean), 1/B (seq_mean), 1."""
     if opts.reduction == Reduction.TOKEN_MEAN:
         return device_scalar(1.0, mask.device) / mask.sum(dtype=torch.float32).clamp(min=1.0)
-    return device_scalar(1.0 / B if opts.reduction == Reduction.SEQ_MEAN else 1.0, mask.device)
+    return device_scalar(1.0 / max(B, 1) if opts.reduction == Reduction.SEQ_MEAN else 1.0,
+                         mask.device)  # fmt: skip
 
 
 def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOptions):

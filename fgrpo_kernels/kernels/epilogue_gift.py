@@ -85,7 +85,7 @@ def gift(logps, ref_logps, mask, rewards, opts: GIFTOptions):
         float(opts.beta),
         float(opts.eps),
         dof(rows, opts.unbiased),
-        1.0 / B,
+        1.0 / max(B, 1),
         DETACH_STATS=bool(opts.detach_stats),
         **plan.meta,
     )

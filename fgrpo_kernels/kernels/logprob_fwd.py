@@ -65,12 +65,15 @@ def _logprob_fwd_kernel(
         hit = cols[None, :] == tl_local_index(y, v0, BLOCK_V)[:, None]
         z_y += tl.sum(tl.where(hit, z, 0.0), axis=1)
         m_new = tl.maximum(m, tl.max(z, axis=1))
-        scale = tl.exp(m - m_new)
-        u = z - m_new[:, None]
+        # NB: banned tokens (−inf logits) have p = 0 and add nothing: a tile of them leaves m
+        # at −inf (shifted by 0, not by −inf), and e·u counts only where e > 0.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp(m - m_ref)
+        u = z - m_ref[:, None]
         e = tl.exp(u)
         if HAS_ENTROPY:
             shift = tl.where(m == float("-inf"), 0.0, m - m_new)
-            t = scale * (t + shift * s) + tl.sum(e * tl.where(in_v, u, 0.0), axis=1)
+            t = scale * (t + shift * s) + tl.sum(tl.where(e > 0.0, e * u, 0.0), axis=1)
         s = scale * s + tl.sum(e, axis=1)
         m = m_new
     row = split.to(tl.int64) * N + n0 + rows
@@ -91,7 +94,8 @@ def combine_partials(part: torch.Tensor, return_entropy: bool):
     lse = m_max + log_s
     if not return_entropy:
         return lse, z_y.sum(0), None
-    t_tot = (w * (part[3] + (m - m_max) * s)).sum(0)
+    shift = torch.where(torch.isfinite(m), m - m_max, 0.0)  # a split of banned tokens: s = 0
+    t_tot = (w * (part[3] + shift * s)).sum(0)
     return lse, z_y.sum(0), log_s - t_tot / s_tot
 
 

@@ -182,7 +182,8 @@ class Trainer:
         rows = rollout.completion_ids.shape[0] // n_micro
         pref_rows = 0 if prefs is None else prefs.completion_ids.shape[0] // n_micro
         dapo = cfg.loss == "grpo" and cfg.loss_type == "dapo"
-        num_items = rollout.completion_mask.sum() if dapo else None  # dapo: whole-rollout tokens
+        # dapo: the whole rollout's tokens (at least 1: a rollout of empty completions has 0)
+        num_items = rollout.completion_mask.sum().clamp(min=1) if dapo else None
         scale = 1.0 if dapo else 1.0 / n_micro
         sums: dict[str, float] = {}
         losses, norms = [], []
