@@ -2,6 +2,7 @@
 // torch.compile traces live in fgrpo_kernels/cpu/cpp.py). Checks here guard direct callers
 // (ValueError / TypeError naming the argument); the public function validates its arguments
 // before reaching them.
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "logprob.h"
@@ -14,21 +15,37 @@ bool float_family(const Tensor& t) {
   return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
 }
 
-// The one place that fixes which target ids are valid: rows of this weight, [0, V), or
-// ignore_index. O(N), next to O(N·V·H) of work. (A vocabulary-parallel shard holds rows
-// [vocab_start, vocab_start + V) of a larger vocabulary: it would check the global range here.)
-void check_targets_in_vocab(const Tensor& targets, int64_t ignore_index, int64_t vocab) {
+// The one place that fixes which target ids are valid: [0, vocab_total) or ignore_index, where
+// this weight holds the rows [vocab_start, vocab_start + V) of the vocabulary (the whole of it by
+// default; one shard of it under vocabulary parallelism). O(N), next to O(N·V·H) of work.
+void check_targets_in_vocab(const Tensor& targets, int64_t ignore_index, int64_t vocab_total) {
   const Tensor y_t = targets.contiguous();
   const int64_t* y = y_t.const_data_ptr<int64_t>();
   for (int64_t n = 0; n < y_t.numel(); ++n) {
-    TORCH_CHECK_VALUE(y[n] == ignore_index || (y[n] >= 0 && y[n] < vocab),
-                      "targets: expected ids in [0, ", vocab, ") or ignore_index=", ignore_index,
-                      "; got ", y[n], " at position ", n);
+    TORCH_CHECK_VALUE(y[n] == ignore_index || (y[n] >= 0 && y[n] < vocab_total),
+                      "targets: expected ids in [0, ", vocab_total, ") or ignore_index=",
+                      ignore_index, "; got ", y[n], " at position ", n);
   }
 }
 
+// Global target ids → ids of this shard's rows; a target owned by another shard becomes a
+// sentinel that matches no column (and is not ignore_index), so its row still gets its lse,
+// entropy and −p gradient here. The identity for the whole vocabulary.
+Tensor local_targets(const Tensor& targets, int64_t ignore_index, int64_t vocab_start,
+                     int64_t vocab_total, int64_t vocab) {
+  if (vocab_start == 0 && (vocab_total < 0 || vocab_total == vocab)) return targets;
+  const int64_t sentinel = ignore_index != -1 ? -1 : -2;
+  const Tensor local = targets - vocab_start;
+  const Tensor owned =
+      local.ge(0).logical_and(local.lt(vocab)).logical_and(targets.ne(ignore_index));
+  const Tensor other = at::full_like(targets, sentinel).masked_fill(targets.eq(ignore_index),
+                                                                    ignore_index);
+  return at::where(owned, local, other);
+}
+
 void check_inputs(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                  const std::optional<Tensor>& bias, double temperature, int64_t ignore_index) {
+                  const std::optional<Tensor>& bias, double temperature, int64_t ignore_index,
+                  int64_t vocab_start, int64_t vocab_total) {
   TORCH_CHECK_VALUE(hidden.dim() == 2, "hidden: expected shape [N, H]; got ", hidden.sizes());
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(1),
                     "weight: expected shape [V, ", hidden.size(1), "]; got ", weight.sizes());
@@ -45,16 +62,21 @@ void check_inputs(const Tensor& hidden, const Tensor& weight, const Tensor& targ
     TORCH_CHECK_TYPE(bias->is_floating_point(), "bias: expected a floating tensor");
   }
   TORCH_CHECK_VALUE(temperature > 0, "temperature: expected > 0; got ", temperature);
-  check_targets_in_vocab(targets, ignore_index, weight.size(0));
+  const int64_t V = weight.size(0);
+  TORCH_CHECK_VALUE(vocab_start >= 0 && (vocab_total < 0 || vocab_start + V <= vocab_total),
+                    "vocab_start: expected the rows [vocab_start, vocab_start + ", V,
+                    ") inside [0, vocab_total=", vocab_total, "); got vocab_start=", vocab_start);
+  check_targets_in_vocab(targets, ignore_index, vocab_total < 0 ? V : vocab_total);
 }
 
 std::tuple<Tensor, Tensor, Tensor> fwd(const Tensor& hidden, const Tensor& weight,
                                        const Tensor& targets, const std::optional<Tensor>& bias,
                                        double temperature, int64_t ignore_index,
-                                       bool return_entropy) {
-  check_inputs(hidden, weight, targets, bias, temperature, ignore_index);
-  return logprob_fwd_cpu(hidden, weight, targets, bias, temperature, ignore_index,
-                         return_entropy);
+                                       bool return_entropy, int64_t vocab_start,
+                                       int64_t vocab_total) {
+  check_inputs(hidden, weight, targets, bias, temperature, ignore_index, vocab_start, vocab_total);
+  const Tensor y = local_targets(targets, ignore_index, vocab_start, vocab_total, weight.size(0));
+  return logprob_fwd_cpu(hidden, weight, y, bias, temperature, ignore_index, return_entropy);
 }
 
 std::tuple<Tensor, Tensor, Tensor> bwd(
@@ -62,15 +84,16 @@ std::tuple<Tensor, Tensor, Tensor> bwd(
     const std::optional<Tensor>& bias, const Tensor& lse, const std::optional<Tensor>& entropy,
     const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_entropy,
     double temperature, int64_t ignore_index, bool need_hidden, bool need_weight,
-    bool need_bias) {
-  check_inputs(hidden, weight, targets, bias, temperature, ignore_index);
+    bool need_bias, int64_t vocab_start, int64_t vocab_total) {
+  check_inputs(hidden, weight, targets, bias, temperature, ignore_index, vocab_start, vocab_total);
+  const Tensor y = local_targets(targets, ignore_index, vocab_start, vocab_total, weight.size(0));
   const int64_t N = hidden.size(0);
   TORCH_CHECK_VALUE(lse.numel() == N, "lse: expected ", N, " values; got ", lse.numel());
   for (const auto* t : {&entropy, &grad_logp, &grad_entropy}) {
     TORCH_CHECK_VALUE(!t->has_value() || (*t)->numel() == N,
                 "entropy, grad_logp, grad_entropy: expected ", N, " values each");
   }
-  return logprob_bwd_cpu(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
+  return logprob_bwd_cpu(hidden, weight, y, bias, lse, entropy, grad_logp, grad_entropy,
                          temperature, ignore_index, need_hidden, need_weight, need_bias);
 }
 
@@ -80,12 +103,13 @@ std::tuple<Tensor, Tensor, Tensor> bwd(
 TORCH_LIBRARY(fgrpo, m) {
   m.def(
       "logprob_fwd(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, "
-      "float temperature, int ignore_index, bool return_entropy) -> (Tensor, Tensor, Tensor)");
+      "float temperature, int ignore_index, bool return_entropy, int vocab_start=0, "
+      "int vocab_total=-1) -> (Tensor, Tensor, Tensor)");
   m.def(
       "logprob_bwd(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, Tensor lse, "
       "Tensor? entropy, Tensor? grad_logp, Tensor? grad_entropy, float temperature, "
-      "int ignore_index, bool need_hidden, bool need_weight, bool need_bias) "
-      "-> (Tensor, Tensor, Tensor)");
+      "int ignore_index, bool need_hidden, bool need_weight, bool need_bias, "
+      "int vocab_start=0, int vocab_total=-1) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fgrpo, CPU, m) {

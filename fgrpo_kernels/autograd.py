@@ -11,6 +11,7 @@ grad_fn that raises `HIGHER_ORDER` when differentiated (never a silently wrong v
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from types import ModuleType
@@ -98,11 +99,12 @@ class LinearLogProbFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         backend = select_backend(hidden.device)
         if shard is not None:
-            targets, owned = distributed.localize(targets, shard, opts.ignore_index)
+            opts = dataclasses.replace(opts, vocab_start=shard.start, vocab_total=shard.total)
         logp, lse, entropy = backend.logprob_fwd(
             hidden, weight, targets, bias, opts, return_entropy
         )
         if shard is not None:
+            owned = distributed.owned_targets(targets, shard, opts.ignore_index)
             valid = targets != opts.ignore_index
             logp, lse, entropy = distributed.combine(logp, lse, entropy, owned, valid, shard)
         ctx.save_for_backward(hidden, weight, targets, bias, lse, entropy)

@@ -122,15 +122,24 @@ def resolve(vp: VocabParallel, local_vocab: int, device: torch.device) -> Shard:
     return shard
 
 
-def localize(targets: torch.Tensor, shard: Shard, ignore_index: int):
-    """(local targets, owned): ids of this shard shifted to [0, V_r); targets owned elsewhere
-    become a sentinel that is neither a column nor `ignore_index`; ignored rows stay ignored."""
+def owned_targets(targets: torch.Tensor, shard: Shard, ignore_index: int) -> torch.Tensor:
+    """Which rows' (global) targets lie in this rank's shard."""
     local = targets - shard.start
-    valid = targets != ignore_index
-    owned = valid & (local >= 0) & (local < shard.size)
-    sentinel = -1 if ignore_index != -1 else -2
-    out = torch.where(owned, local, torch.where(valid, sentinel, ignore_index))
-    return out, owned
+    return (targets != ignore_index) & (local >= 0) & (local < shard.size)
+
+
+def local_targets(targets: torch.Tensor, opts, vocab: int) -> torch.Tensor:
+    """Global ids → ids of the rows [opts.vocab_start, + vocab) the kernels hold; ids owned by
+    another shard become a sentinel that matches no column and is not `ignore_index` (the row
+    still gets its lse, entropy and −p gradient). The identity off vocabulary parallelism."""
+    if opts.vocab_total is None:
+        return targets
+    ignore = opts.ignore_index
+    local = targets - opts.vocab_start
+    valid = targets != ignore
+    sentinel = -1 if ignore != -1 else -2
+    owned = valid & (local >= 0) & (local < vocab)
+    return torch.where(owned, local, torch.where(valid, sentinel, ignore))
 
 
 def combine(logp, lse, entropy, owned, valid, shard: Shard):

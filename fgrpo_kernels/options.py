@@ -98,6 +98,10 @@ class LogProbOptions:
     temperature: float = 1.0
     ignore_index: int = -100
     fast_fp32: bool = False
+    # Under vocabulary parallelism weight holds rows [vocab_start, vocab_start + V) of a
+    # vocabulary of vocab_total (None: V) and targets stay global ids.
+    vocab_start: int = 0
+    vocab_total: int | None = None
 
 
 @dataclass(frozen=True)

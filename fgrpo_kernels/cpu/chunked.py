@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import distributed
 from ..options import LogProbOptions
 
 TOKEN_CHUNK = 1024
@@ -34,6 +35,7 @@ def _logits_tile(h, weight, bias, v0, v1, inv_t):
 def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool):
     """hidden [N, H], weight [V, H], targets [N] → (logp [N], lse [N], entropy [N] | None), fp32
     (fp64 for fp64 inputs)."""
+    targets = distributed.local_targets(targets, opts, weight.shape[0])
     N, V = hidden.shape[0], weight.shape[0]
     inv_t = 1.0 / opts.temperature
     acc = acc_dtype(hidden)
@@ -91,6 +93,7 @@ def logprob_bwd(
     dz = (g·(onehot − p) − g_H·p·(z − lse + H)) / τ per logits tile; at the target column
     g·(1 − p_y) is taken as −g·expm1(z_y − lse).
     """
+    targets = distributed.local_targets(targets, opts, weight.shape[0])
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     N, V = hidden.shape[0], weight.shape[0]
     inv_t = 1.0 / opts.temperature

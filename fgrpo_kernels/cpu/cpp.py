@@ -172,7 +172,10 @@ def _build_and_load() -> None:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("fgrpo::logprob_fwd")
-    def _(hidden, weight, targets, bias, temperature, ignore_index, return_entropy):
+    def _(
+        hidden, weight, targets, bias, temperature, ignore_index, return_entropy,
+        vocab_start=0, vocab_total=-1,
+    ):  # fmt: skip
         n = hidden.shape[0]
         out = [hidden.new_empty(n, dtype=torch.float32) for _ in range(2)]
         return (*out, hidden.new_empty(n if return_entropy else 0, dtype=torch.float32))
@@ -192,6 +195,8 @@ def _register_fakes() -> None:
         need_hidden,
         need_weight,
         need_bias,
+        vocab_start=0,
+        vocab_total=-1,
     ):
         need_bias = need_bias and bias is not None
         return (
@@ -222,13 +227,19 @@ def _wide(*tensors) -> bool:
     return any(t is not None and t.dtype == torch.float64 for t in tensors)
 
 
+def _vocab_range(opts: LogProbOptions) -> tuple[int, int]:
+    """The ops' (vocab_start, vocab_total) arguments; −1: the weight's own V."""
+    return opts.vocab_start, -1 if opts.vocab_total is None else opts.vocab_total
+
+
 def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool):
     """hidden [N, H], weight [V, H], targets [N] → (logp [N], lse [N], entropy [N] | None), fp32."""
     if _wide(hidden, weight):
         return chunked.logprob_fwd(hidden, weight, targets, bias, opts, return_entropy)
     logp, lse, entropy = torch.ops.fgrpo.logprob_fwd(
-        hidden, weight, targets, bias, opts.temperature, opts.ignore_index, return_entropy
-    )
+        hidden, weight, targets, bias, opts.temperature, opts.ignore_index, return_entropy,
+        *_vocab_range(opts),
+    )  # fmt: skip
     return logp, lse, entropy if return_entropy else None
 
 
@@ -264,5 +275,6 @@ def logprob_bwd(
         need_h,
         need_w,
         need_b,
+        *_vocab_range(opts),
     )
     return dh if need_h else None, dw if need_w else None, db if need_b else None

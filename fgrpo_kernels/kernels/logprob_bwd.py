@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import distributed
 from ..options import LogProbOptions
 from . import configs
 from .launch import check_dtypes, dot_flags, interpreted
@@ -143,6 +144,7 @@ def logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_ent
     hidden [N, H], weight [V, H], targets [N], bias [V] | None, lse/entropy/grads [N]; each
     gradient has its input's dtype. dH or dW work is skipped entirely when not needed.
     """
+    targets = distributed.local_targets(targets, opts, weight.shape[0])
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     check_dtypes(hidden, weight, bias)
     if not (need_h or need_w or need_b):

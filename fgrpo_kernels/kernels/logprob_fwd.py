@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import distributed
 from ..options import LogProbOptions
 from . import configs
 from .launch import check_dtypes, dot_flags, interpreted
@@ -101,6 +102,7 @@ def combine_partials(part: torch.Tensor, return_entropy: bool):
 
 def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool):
     """hidden [N, H], weight [V, H], targets [N] → (logp [N], lse [N], entropy [N] | None), fp32."""
+    targets = distributed.local_targets(targets, opts, weight.shape[0])
     check_dtypes(hidden, weight, bias)
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
     bias = None if bias is None else bias.contiguous()
