@@ -81,7 +81,7 @@ def _logprob_bwd_kernel(
         g_ent = tl.load(g_ent_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
         g_ent = tl.where(valid, g_ent, 0.0)
         ent = tl.load(ent_ptr + n0 + rows, mask=mask_n, other=0.0)
-        dz -= g_ent[:, None] * tl.where(p > 0.0, p * (u + ent[:, None]), 0.0)  # u = −inf: p = 0
+        dz -= g_ent[:, None] * p * tl.where(p > 0.0, u + ent[:, None], 0.0)  # u = −inf: p = 0
     dz_ptrs = dz_ptr + n0 * stride_dz + (v0 - v_begin) + (rows[:, None] * stride_dz + cols[None, :])
     mask = mask_n[:, None] & (cols < (v_end - v0).to(tl.int32))[None, :]
     tl.store(dz_ptrs, (dz * inv_t).to(dz_ptr.dtype.element_ty), mask=mask)

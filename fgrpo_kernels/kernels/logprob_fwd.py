@@ -66,14 +66,15 @@ def _logprob_fwd_kernel(
         z_y += tl.sum(tl.where(hit, z, 0.0), axis=1)
         m_new = tl.maximum(m, tl.max(z, axis=1))
         # NB: banned tokens (−inf logits) have p = 0 and add nothing: a tile of them leaves m
-        # at −inf (shifted by 0, not by −inf), and e·u counts only where e > 0.
+        # at −inf (shifted by 0, not by −inf), and u is zeroed where e = 0 before e·u (no 0·∞,
+        # also in the padded columns past V).
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         scale = tl.exp(m - m_ref)
         u = z - m_ref[:, None]
         e = tl.exp(u)
         if HAS_ENTROPY:
             shift = tl.where(m == float("-inf"), 0.0, m - m_new)
-            t = scale * (t + shift * s) + tl.sum(tl.where(e > 0.0, e * u, 0.0), axis=1)
+            t = scale * (t + shift * s) + tl.sum(e * tl.where(e > 0.0, u, 0.0), axis=1)
         s = scale * s + tl.sum(e, axis=1)
         m = m_new
     row = split.to(tl.int64) * N + n0 + rows
