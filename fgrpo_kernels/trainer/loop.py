@@ -10,7 +10,6 @@ hidden state and the lm_head weight: the training forward never produces logits.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 import time
@@ -21,10 +20,10 @@ from pathlib import Path
 import torch
 
 from ..reference import group_normalize
-from . import hf
+from . import evaluation, hf, rng, run_dir
 from .config import TrainConfig
-
-RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+from .data import PromptSampler, as_rows
+from .rewards import RewardSet, RewardState
 
 
 @dataclass
@@ -48,8 +47,13 @@ class Preferences(hf.Batch):
 class Trainer:
     """GRPO-family RL of a Hugging Face causal LM (optionally a PeftModel) with a fused loss.
 
-    prompts: a callable (n, rng) -> n prompt strings, or a sequence of prompts to draw from.
-    reward_fn(prompts, completions) -> one reward per completion (prompts repeated G times).
+    prompts: a callable (n, rng) -> n prompts, or a sequence of prompts, drawn epoch by epoch.
+    A prompt is a string or a row dict {"prompt": str, other columns...}; the other columns
+    reach the reward functions as keyword lists (TRL's convention, see `rewards.py`).
+    reward_fn: one reward function or a list of them (weighted by `config.reward_weights`),
+    called as f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...,
+    log_metric=...); keywords a function does not take are left out.
+    eval_prompts: rows scored every `config.eval_every` steps (mean reward and pass rate).
     preference_data (f-HAL): a callable (n, rng) -> n dicts {"prompt", "chosen", "rejected"},
     or a sequence of such dicts. ref_model: a frozen reference; by default a frozen copy of the
     initial model, or the adapter-disabled model for PEFT.
@@ -59,19 +63,23 @@ class Trainer:
         self,
         model,
         tokenizer,
-        reward_fn: RewardFn,
+        reward_fn,
         prompts,
         config: TrainConfig,
         *,
+        eval_prompts: Sequence | None = None,
         ref_model=None,
         preference_data=None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler=None,
     ):
-        self.cfg, self.model, self.tokenizer, self.reward_fn = config, model, tokenizer, reward_fn
+        self.cfg, self.model, self.tokenizer = config, model, tokenizer
+        self.rewards = RewardSet(reward_fn, config.reward_weights)
         if config.loss == "fhal" and preference_data is None:
             raise ValueError("preference_data: expected preference pairs for loss='fhal'; got None")
         self.prompts, self.preference_data = prompts, preference_data
+        self.sampler = None if callable(prompts) else PromptSampler(as_rows(prompts), config.seed)
+        self.eval_rows = None if eval_prompts is None else as_rows(eval_prompts)
         self.rng = random.Random(config.seed)
         self.loss_fn = config.loss_module()
         hf.lm_head(model)  # fail early on heads the fused loss cannot take
@@ -85,6 +93,10 @@ class Trainer:
         )
         self.model.eval()  # no dropout during RL, as in TRL's default
         self.step_count = 0
+        self.chance: float | None = None
+        self.resumed = False
+        self.stop_requested = False
+        self.start_step = 0  # the step this session of `train` started after
 
     def _reference(self, ref_model):
         cfg = self.cfg
@@ -107,6 +119,11 @@ class Trainer:
         source = list(source)
         return self.rng.sample(source, n) if len(source) >= n else self.rng.choices(source, k=n)
 
+    def _drawas_rows(self, n: int) -> list[dict]:
+        if self.sampler is not None:
+            return self.sampler.draw(n)
+        return as_rows(self.prompts(n, self.rng))
+
     def _fixed_logps(self, batch: hf.Batch, reference: bool):
         tau = self.cfg.temperature
         if not reference:
@@ -117,26 +134,37 @@ class Trainer:
             return None
         return hf.logps_no_grad(self.ref_model, batch, tau)
 
-    def rollout(self) -> tuple[Rollout, list[str], list[str]]:
+    def score(self, rows: list[dict], batch: hf.Batch, repeat: int):
+        """(rewards [B] with NaN for unscored rows, metrics, texts) of `batch`'s completions;
+        rows[i] is the prompt row of completions i*repeat .. (i+1)*repeat - 1."""
+        texts = self.tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
+        pairs = zip(batch.completion_ids, batch.completion_mask)
+        ids = [row[m.bool()].tolist() for row, m in pairs]
+        repeated = [r for r in rows for _ in range(repeat)]
+        columns = {k: [r.get(k) for r in repeated] for k in _columns(rows)}
+        state = RewardState(global_step=self.step_count, max_steps=self.cfg.steps)
+        prompts = [r["prompt"] for r in repeated]
+        total, _, metrics = self.rewards(prompts, texts, ids, columns, state)
+        return total.to(batch.completion_ids.device), metrics, texts
+
+    def rollout(self) -> tuple[Rollout, list[str], list[str], dict]:
         """Sample, score, normalise, and attach reference (and old) log-probs."""
         cfg = self.cfg
-        prompts = self._draw(self.prompts, cfg.prompts_per_step)
+        rows = self._drawas_rows(cfg.prompts_per_step)
         batch = hf.sample(
-            self.model, self.tokenizer, prompts, cfg.num_generations, cfg.max_new_tokens,
-            cfg.temperature,
+            self.model, self.tokenizer, [r["prompt"] for r in rows], cfg.num_generations,
+            cfg.max_new_tokens, cfg.temperature,
         )  # fmt: skip
-        texts = self.tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
-        repeated = [p for p in prompts for _ in range(cfg.num_generations)]
-        scores = [float(r) for r in self.reward_fn(repeated, texts)]
-        if len(scores) != len(texts):
-            raise ValueError(f"reward_fn: expected {len(texts)} rewards; got {len(scores)}")
-        rewards = torch.tensor(scores, device=batch.completion_ids.device)
+        rewards, metrics, texts = self.score(rows, batch, cfg.num_generations)
+        rewards, unscored = _fill_unscored(rewards, cfg.num_generations)
         rollout = Rollout(**vars(batch), rewards=rewards)
-        rollout.advantages = group_normalize(rewards, cfg.num_generations, scale=cfg.scale_rewards)
+        advantages = group_normalize(rewards, cfg.num_generations, scale=cfg.scale_rewards)
+        rollout.advantages = advantages.masked_fill(unscored, 0.0)
         rollout.ref_logps = self._fixed_logps(batch, reference=True)
         if cfg.num_updates > 1 and cfg.loss == "grpo":
             rollout.old_logps = self._fixed_logps(batch, reference=False)
-        return rollout, repeated, texts
+        prompts = [r["prompt"] for r in rows for _ in range(cfg.num_generations)]
+        return rollout, prompts, texts, metrics
 
     def preferences(self) -> Preferences:
         pairs = self._draw(self.preference_data, self.cfg.pref_batch_size)
@@ -212,7 +240,7 @@ class Trainer:
     def step(self) -> dict[str, float]:
         """One rollout and its updates; returns the step's metrics record."""
         t0 = time.perf_counter()
-        rollout, prompts, texts = self.rollout()
+        rollout, prompts, texts, reward_metrics = self.rollout()
         prefs = self.preferences() if self.cfg.loss == "fhal" else None
         t1 = time.perf_counter()
         metrics = self.update(rollout, prefs)
@@ -224,7 +252,9 @@ class Trainer:
             "reward_mean": float(r.mean()),
             "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
             "frac_reward_zero_std": float((groups.std(-1) == 0).float().mean()),
+            "rollouts": r.numel(),
             "completion_length": float(rollout.completion_mask.sum(-1).float().mean()),
+            **reward_metrics,
             **metrics,
             "lr": self.scheduler.get_last_lr()[0],
             "rollout_s": t1 - t0,
@@ -233,47 +263,118 @@ class Trainer:
         record["sample"] = f"{prompts[0]} -> {texts[0]!r}"
         return record
 
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward and pass rate on the eval rows (see `evaluation.evaluate`)."""
+        return evaluation.evaluate(self)
+
+    def request_stop(self) -> None:
+        """Finish the current step, then end `train` as if its last step were done."""
+        self.stop_requested = True
+
+    def state_dict(self) -> dict:
+        """Everything besides the weights that a resumed run needs to continue exactly."""
+        return {
+            "step": self.step_count,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng.rng_state(),
+            "trainer_rng": rng.python_rng_state(self.rng),
+            "sampler": None if self.sampler is None else self.sampler.state_dict(),
+            "chance": self.chance,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict()` (the model must already hold the checkpoint's weights);
+        `train` then appends to the run's metrics instead of starting them over."""
+        self.step_count = int(state["step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng.set_python_rng_state(self.rng, state["trainer_rng"])
+        if self.sampler is not None and state["sampler"] is not None:
+            self.sampler.load_state_dict(state["sampler"])
+        self.chance = state["chance"]
+        self._rng_state = state["rng"]
+        self.resumed = True
+
+    def resume_from(self, checkpoint) -> None:
+        """`load_state_dict` from a checkpoint folder's trainer_state.pt."""
+        self.load_state_dict(run_dir.load_state(checkpoint))
+
     def save(self, path) -> None:
-        """save_pretrained of the model (the adapter for PEFT) and the tokenizer."""
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        """A resumable checkpoint: save_pretrained of the model (the adapter for PEFT) and the
+        tokenizer, plus trainer_state.pt."""
+        run_dir.save_checkpoint(Path(path), self.model, self.tokenizer, self.state_dict())
+
+    def _begin(self, out: Path) -> tuple[list[dict], float]:
+        """(history so far, seconds already spent): a fresh run seeds every random stream and
+        starts its metrics; a resumed one restores them and keeps its logged steps."""
+        out.mkdir(parents=True, exist_ok=True)
+        if not self.resumed:
+            rng.seed_everything(self.cfg.seed)
+            run_dir.start_metrics(out, self.cfg.to_dict())
+            if self.cfg.chance_samples:
+                self.chance = evaluation.chance_level(self, self.cfg.chance_samples)
+            return [], 0.0
+        history = run_dir.resume_metrics(out, self.step_count)
+        rng.set_rng_state(self._rng_state)  # last: loading models may have drawn numbers
+        return history, (history[-1].get("time_s", 0.0) if history else 0.0)
 
     def train(self, callback: Callable[[dict], None] | None = None) -> list[dict]:
-        """Run `cfg.steps` steps; metrics go to out_dir/metrics.jsonl, one line per step."""
+        """Run up to `cfg.steps` steps (fewer if `request_stop` is called); metrics go to
+        out_dir/metrics.jsonl, one line per step, and out_dir/final is a resumable checkpoint.
+        Returns the records of every step of the run, earlier sessions included."""
         cfg = self.cfg
         out = Path(cfg.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        torch.manual_seed(cfg.seed)
-        history, start, bar = [], time.perf_counter(), _progress(cfg)
-        with open(out / "metrics.jsonl", "w") as log:
-            for _ in range(cfg.steps):
-                record = self.step()
-                record["time_s"] = time.perf_counter() - start
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                history.append(record)
-                if bar is not None:
-                    bar.set_postfix(_postfix(record), refresh=False)
-                    bar.update()
-                if callback is not None:
-                    callback(record)
-                if cfg.save_every and self.step_count % cfg.save_every == 0:
-                    self.save(out / f"checkpoint-{self.step_count}")
+        history, spent = self._begin(out)
+        self.start_step = self.step_count
+        start, bar = time.perf_counter(), _progress(cfg, self.step_count)
+        while self.step_count < cfg.steps and not self.stop_requested:
+            record = self.step()
+            due = cfg.eval_every and self.step_count % cfg.eval_every == 0
+            if self.eval_rows and (due or (cfg.eval_every and self.step_count == cfg.steps)):
+                record.update(self.evaluate())
+            record["time_s"] = spent + time.perf_counter() - start
+            run_dir.append_metrics(out, record)
+            history.append(record)
+            if bar is not None:
+                bar.set_postfix(_postfix(record), refresh=False)
+                bar.update()
+            if callback is not None:
+                callback(record)
+            if cfg.save_every and self.step_count % cfg.save_every == 0:
+                self.save(out / f"{run_dir.CHECKPOINT}{self.step_count}")
         if bar is not None:
             bar.close()
-        self.save(out / "final")
+        self.save(out / run_dir.FINAL)
         return history
 
 
-def _progress(cfg: TrainConfig):
+def _columns(rows: list[dict]) -> list[str]:
+    seen: dict[str, None] = {}
+    for r in rows:
+        seen.update(dict.fromkeys(k for k in r if k != "prompt"))
+    return list(seen)
+
+
+def _fill_unscored(rewards: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards with each unscored (NaN) entry set to its group's mean of the scored ones (0 if
+    none), and the mask of those entries, whose advantage the caller sets to 0 (as TRL does)."""
+    unscored = rewards.isnan()
+    if not unscored.any():
+        return rewards, unscored
+    groups = rewards.reshape(-1, G)
+    fill = groups.nanmean(-1, keepdim=True).nan_to_num(0.0).expand_as(groups).reshape(-1)
+    return torch.where(unscored, fill, rewards), unscored
+
+
+def _progress(cfg: TrainConfig, done: int):
     if not cfg.progress:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm comes with the dev extra; without it, no bar
         return None
-    return tqdm(total=cfg.steps, desc=f"train {cfg.loss}", unit="step")
+    return tqdm(total=cfg.steps, initial=done, desc=f"train {cfg.loss}", unit="step")
 
 
 def _postfix(record: dict) -> dict[str, str]:
