@@ -4,6 +4,7 @@ are appended, each step once; SIGINT/SIGTERM leave a loadable final checkpoint a
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -86,7 +87,7 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, monkeypatch):
         torch.testing.assert_close(pa["exp_avg"], pb["exp_avg"], rtol=1e-5, atol=1e-8)
 
 
-def test_resume_keeps_the_run_as_it_was_started(tmp_path):
+def test_resume_keeps_the_run_as_it_was_started(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*TRAIN, "--out", str(out), "--steps", "2", "--loss", "gift"]) == 0
     for args, message in [
@@ -96,6 +97,7 @@ def test_resume_keeps_the_run_as_it_was_started(tmp_path):
         (["--steps", "4", "--overwrite"], "--resume: --resume continues the run"),
     ]:
         assert main([*TRAIN, "--out", str(out), "--resume", *args]) == 2, args
+        assert re.match(f"fgrpo train: error: {message}", capsys.readouterr().err), args
     assert main([*TRAIN, "--out", str(out), "--resume", "--steps", "3", "--loss", "gift"]) == 0
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
     assert json.loads((out / "summary.json").read_text())["loss"] == "gift"
