@@ -155,6 +155,7 @@ def test_reward_signatures_trl_keywords_and_plain_positional():
         R.RewardSet(trl_style).check_columns({"answer"})
     with pytest.raises(ValueError, match="^reward: exact_match needs the column 'answer'"):
         R.RewardSet(R.exact_match()).check_columns({"level"})
+
     def one(prompts, completions):
         return [1.0]
 
