@@ -13,16 +13,11 @@ from fgrpo_kernels.trainer import TrainConfig, Trainer, hf  # noqa: E402
 from fgrpo_kernels.trainer.task import PatternTask  # noqa: E402
 from fgrpo_kernels.trainer.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
+from .trainer_common import cpu_path  # noqa: E402, F401
+
+pytestmark = pytest.mark.usefixtures("cpu_path")
+
 TASK = PatternTask()
-
-
-@pytest.fixture(autouse=True)
-def _cpu_path(monkeypatch):
-    monkeypatch.setenv("FGRPO_BACKEND", "cpu")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def always_seven(prompts, completions):

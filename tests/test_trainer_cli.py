@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -16,15 +15,9 @@ from fgrpo_kernels.cli import main  # noqa: E402
 from fgrpo_kernels.trainer import loading  # noqa: E402
 from fgrpo_kernels.trainer.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
-TRAIN = ["train", "--no-progress"]
+from .trainer_common import TRAIN, cpu_path  # noqa: E402, F401
 
-
-@pytest.fixture(autouse=True)
-def _cpu_path(monkeypatch):
-    monkeypatch.setenv("FGRPO_BACKEND", "cpu")
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("cpu_path")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,11 @@ pytest.importorskip("transformers")
 from fgrpo_kernels.cli import main  # noqa: E402
 from fgrpo_kernels.trainer import rewards as R  # noqa: E402
 from fgrpo_kernels.trainer.data import PromptSampler, load_rows, split_rows  # noqa: E402
-from fgrpo_kernels.trainer.loop import _fill_unscored  # noqa: E402
+from fgrpo_kernels.trainer.scoring import fill_unscored  # noqa: E402
+
+from .trainer_common import cpu_path  # noqa: E402, F401
+
+pytestmark = pytest.mark.usefixtures("cpu_path")
 
 ROWS = [
     {"prompt": f"{a}+{b}=", "answer": str(a + b), "level": a % 2} for a in range(5) for b in (1, 2)
@@ -189,14 +193,13 @@ def test_reward_functions_load_from_module_or_file(tmp_path, monkeypatch):
 
 def test_unscored_completions_get_their_group_mean_and_no_advantage():
     rewards = torch.tensor([1.0, math.nan, 0.0, math.nan, math.nan, math.nan])
-    filled, unscored = _fill_unscored(rewards, 3)
+    filled, unscored = fill_unscored(rewards, 3)
     assert filled.tolist() == [1.0, 0.5, 0.0, 0.0, 0.0, 0.0]
     assert unscored.tolist() == [False, True, False, True, True, True]
 
 
-def test_a_jsonl_dataset_with_a_custom_reward_trains(tmp_path, monkeypatch):
+def test_a_jsonl_dataset_with_a_custom_reward_trains(tmp_path):
     """`fgrpo train --prompts data.jsonl --reward my_reward.py:fn` learns the data's answers."""
-    monkeypatch.setenv("FGRPO_BACKEND", "cpu")
     rng = random.Random(0)
     rows = []
     for _ in range(60):

@@ -20,19 +20,9 @@ pytest.importorskip("transformers")
 from fgrpo_kernels.cli import main  # noqa: E402
 from fgrpo_kernels.trainer import run_dir  # noqa: E402
 
-TRAIN = ["train", "--no-progress"]
+from .trainer_common import TRAIN, cpu_path, metrics  # noqa: E402, F401
 
-
-@pytest.fixture(autouse=True)
-def _cpu_path(monkeypatch):
-    monkeypatch.setenv("FGRPO_BACKEND", "cpu")
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+pytestmark = pytest.mark.usefixtures("cpu_path")
 
 
 def shell_env() -> dict:

@@ -80,6 +80,24 @@ class Batch:
         return type(self)(**{f.name: _take(getattr(self, f.name), sl) for f in fields(self)})
 
 
+@dataclass
+class Rollout(Batch):
+    """A sampled batch with its rewards [B], advantages [B] and fixed log-probs [B, T]."""
+
+    rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+
+
+@dataclass
+class Preferences(Batch):
+    """Preference rows, chosen and rejected interleaved; chosen [B] bool."""
+
+    chosen: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+
 def _take(value, sl):
     if value is None or isinstance(value, (int, float)):
         return value

@@ -14,34 +14,16 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..reference import group_normalize
-from . import evaluation, hf, rng, run_dir
+from . import evaluation, hf, rng, run_dir, scoring
 from .config import TrainConfig
 from .data import PromptSampler, as_rows
+from .hf import Preferences, Rollout
 from .rewards import RewardSet, RewardState
-
-
-@dataclass
-class Rollout(hf.Batch):
-    """A sampled batch with its rewards [B], advantages [B] and fixed log-probs [B, T]."""
-
-    rewards: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    ref_logps: torch.Tensor | None = None
-    old_logps: torch.Tensor | None = None
-
-
-@dataclass
-class Preferences(hf.Batch):
-    """Preference rows, chosen and rejected interleaved; chosen [B] bool."""
-
-    chosen: torch.Tensor | None = None
-    ref_logps: torch.Tensor | None = None
 
 
 class Trainer:
@@ -135,17 +117,9 @@ class Trainer:
         return hf.logps_no_grad(self.ref_model, batch, tau)
 
     def score(self, rows: list[dict], batch: hf.Batch, repeat: int):
-        """(rewards [B] with NaN for unscored rows, metrics, texts) of `batch`'s completions;
-        rows[i] is the prompt row of completions i*repeat .. (i+1)*repeat - 1."""
-        texts = self.tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
-        pairs = zip(batch.completion_ids, batch.completion_mask)
-        ids = [row[m.bool()].tolist() for row, m in pairs]
-        repeated = [r for r in rows for _ in range(repeat)]
-        columns = {k: [r.get(k) for r in repeated] for k in _columns(rows)}
+        """(rewards [B] with NaN where unscored, reward metrics, completion texts)."""
         state = RewardState(global_step=self.step_count, max_steps=self.cfg.steps)
-        prompts = [r["prompt"] for r in repeated]
-        total, _, metrics = self.rewards(prompts, texts, ids, columns, state)
-        return total.to(batch.completion_ids.device), metrics, texts
+        return scoring.score(self.rewards, self.tokenizer, rows, batch, repeat, state)
 
     def rollout(self) -> tuple[Rollout, list[str], list[str], dict]:
         """Sample, score, normalise, and attach reference (and old) log-probs."""
@@ -156,7 +130,7 @@ class Trainer:
             cfg.max_new_tokens, cfg.temperature,
         )  # fmt: skip
         rewards, metrics, texts = self.score(rows, batch, cfg.num_generations)
-        rewards, unscored = _fill_unscored(rewards, cfg.num_generations)
+        rewards, unscored = scoring.fill_unscored(rewards, cfg.num_generations)
         rollout = Rollout(**vars(batch), rewards=rewards)
         advantages = group_normalize(rewards, cfg.num_generations, scale=cfg.scale_rewards)
         rollout.advantages = advantages.masked_fill(unscored, 0.0)
@@ -347,24 +321,6 @@ class Trainer:
             bar.close()
         self.save(out / run_dir.FINAL)
         return history
-
-
-def _columns(rows: list[dict]) -> list[str]:
-    seen: dict[str, None] = {}
-    for r in rows:
-        seen.update(dict.fromkeys(k for k in r if k != "prompt"))
-    return list(seen)
-
-
-def _fill_unscored(rewards: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards with each unscored (NaN) entry set to its group's mean of the scored ones (0 if
-    none), and the mask of those entries, whose advantage the caller sets to 0 (as TRL does)."""
-    unscored = rewards.isnan()
-    if not unscored.any():
-        return rewards, unscored
-    groups = rewards.reshape(-1, G)
-    fill = groups.nanmean(-1, keepdim=True).nan_to_num(0.0).expand_as(groups).reshape(-1)
-    return torch.where(unscored, fill, rewards), unscored
 
 
 def _progress(cfg: TrainConfig, done: int):
