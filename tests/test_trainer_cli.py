@@ -86,6 +86,7 @@ def cases(root):
         (["--steps", "3"], "the following arguments are required: --out"),
         (["--out", fresh, "--task-steps", "1x"], "--task-steps: expected digits"),
         (["--out", fresh, "--threads", "0"], "--threads: expected an int >= 1"),
+        (["--out", fresh, "--device", "tpu"], "--device: expected auto, cpu, cuda or cuda:N"),
     ]
 
 

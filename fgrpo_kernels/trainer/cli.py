@@ -28,10 +28,12 @@ DEFAULTS = {f.name: f.default for f in fields(TrainConfig)} | {
     "lora_r": 0, "lora_alpha": None, "lora_target": "all-linear",
     "prompts": None, "prompt_column": "prompt", "answer_column": "answer",
     "eval_prompts": None, "eval_size": 0.1, "reward": None, "preferences": None,
-    "task_steps": "19", "threads": 1, "no_progress": False,
+    "task_steps": "19", "threads": 1, "no_progress": False, "device": "auto",
 }  # fmt: skip
 # what a resumed run may change; every other option must equal the run's own
-RESUMABLE = {"out", "resume", "steps", "save_every", "eval_every", "threads", "no_progress"}
+RESUMABLE = {
+    "out", "resume", "steps", "save_every", "eval_every", "threads", "no_progress", "device",
+}  # fmt: skip
 PATHS = ("prompts", "eval_prompts", "preferences")
 FLAGS: set[str] = set()  # the options' dest names, filled by add_arguments
 
@@ -47,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-progress", action="store_true", help="no progress bar")
     a = _adder(parser.add_argument_group("model"))
     a("--model", metavar="PATH", help="HF checkpoint folder or Hub id", shown="the tiny model")
+    a("--device", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
     a("--lora-r", type=int, metavar="R", help="train a LoRA adapter of rank R (PEFT); 0: off")
     a("--lora-alpha", type=float, help="LoRA alpha", shown="2 x --lora-r")
     a("--lora-target", help="LoRA target modules, comma-separated")
@@ -176,6 +179,7 @@ def _run(explicit: dict) -> int:
         opts = resolve_options(explicit)
         cfg = make_config(opts)
         preflight.check_packages(opts)
+        device = preflight.device(opts["device"])
         source = preflight.model_source(opts["model"])
         tokenizer = preflight.check_model(source) if source is not None else None
         plan = preflight.load_data(opts)
@@ -200,7 +204,7 @@ def _run(explicit: dict) -> int:
         pass
 
     try:
-        trainer = loading.build_trainer(opts, cfg, plan, source, tokenizer, checkpoint)
+        trainer = loading.build_trainer(opts, cfg, plan, source, tokenizer, checkpoint, device)
     except (ValueError, OSError) as e:
         return fail(e)
     out = Path(opts["out"])

@@ -57,17 +57,23 @@ def load_policy(opts: dict, source: str | None, checkpoint: Path | None):
 
 
 def build_trainer(
-    opts: dict, cfg: TrainConfig, plan: Plan, source, tokenizer, checkpoint: Path | None
+    opts: dict,
+    cfg: TrainConfig,
+    plan: Plan,
+    source,
+    tokenizer,
+    checkpoint: Path | None,
+    device: str = "cpu",
 ) -> Trainer:
-    """The Trainer of the run, resumed from `checkpoint` when given (the reference is then the
-    run's original model, reloaded, not the checkpoint)."""
-    policy = load_policy(opts, source, checkpoint)
+    """The Trainer of the run on `device`, resumed from `checkpoint` when given (the reference
+    is then the run's original model, reloaded, not the checkpoint)."""
+    policy = load_policy(opts, source, checkpoint).to(device)
     tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
     task = PatternTask(steps=tuple(int(c) for c in opts["task_steps"]))
     ref = None
     uses_ref = not (cfg.loss == "grpo" and cfg.beta == 0.0)
     if checkpoint is not None and uses_ref and not opts["lora_r"]:
-        ref = load_base(source, opts["seed"])
+        ref = load_base(source, opts["seed"]).to(device)
     prompts = plan.rows if plan.rows is not None else task.prompts
     eval_rows = plan.eval_rows
     if eval_rows is None and plan.rows is None and cfg.eval_every:

@@ -40,6 +40,23 @@ def check_packages(opts: dict) -> None:
             )
 
 
+def device(name: str) -> str:
+    """The torch device `--device` names ("auto": cuda when available, else cpu)."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N; got {name!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for, but torch sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N; got {name!r}")
+    return name
+
+
 def model_source(model: str | None) -> str | None:
     """None (the embedded tiny model), an existing local folder, or a Hub id ("org/name")."""
     if model is None:
