@@ -208,10 +208,9 @@ def _run(explicit: dict) -> int:
     except (ValueError, OSError) as e:
         return fail(e)
     out = Path(opts["out"])
-    if not opts["resume"]:
-        if opts["overwrite"]:
-            run_dir.clear_run(out)
-        run_dir.write_json(out / "run.json", {"options": opts})
+    if opts["overwrite"]:
+        run_dir.clear_run(out)
+    run_dir.write_json(out / "run.json", {"options": opts})  # on resume: the new --steps etc.
     from .finish import finish
     from .signals import GracefulStop
 

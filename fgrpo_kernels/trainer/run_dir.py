@@ -13,6 +13,7 @@ A data-parallel run calls these functions on rank 0 only.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def check_out_dir(out: str | Path, resume: bool, overwrite: bool) -> None:
 
 def clear_run(out: Path) -> None:
     """Delete the files a previous run wrote into `out` (and only those)."""
-    for path in [*(out / name for name in RUN_FILES), *out.glob(f"{CHECKPOINT}*")]:
+    leftovers = [out / f"{FINAL}{suffix}" for suffix in (".tmp", ".old")]
+    for path in [*(out / name for name in RUN_FILES), *out.glob(f"{CHECKPOINT}*"), *leftovers]:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
@@ -72,8 +74,11 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     out = Path(out)
     if not out.is_dir():
         return None
-    found = [(checkpoint_step(p), p.name == FINAL, p) for p in out.iterdir() if p.is_dir()]
-    found = [f for f in found if f[0] is not None and (f[1] or f[2].name.startswith(CHECKPOINT))]
+    named = [
+        p for p in out.iterdir() if p.name == FINAL or re.fullmatch(rf"{CHECKPOINT}\d+", p.name)
+    ]
+    found = [(checkpoint_step(p), p.name == FINAL, p) for p in named]
+    found = [f for f in found if f[0] is not None]
     return max(found, key=lambda f: f[:2])[2] if found else None
 
 
