@@ -51,6 +51,10 @@ def _panel(ax, history, keys, title, ylabel, absent):
         ax.text(0.5, 0.5, absent, ha="center", va="center", transform=ax.transAxes, color="0.4")
         return
     steps, values = found
+    if keys == CLIP_KEYS and not any(values):
+        note = "0 at every step\n(one update per rollout: the ratio is 1;\nsee --num-updates)"
+        ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="0.4")
+        return
     k = max(len(values) // 20, 1)
     ax.plot(steps, values, alpha=0.3, color="C0")
     ax.plot(steps, moving_mean(values, k), color="C0", label=f"moving mean ({k} steps)")
@@ -93,20 +97,30 @@ def plot_training(history: list[dict], path: Path, title: str, chance: float | N
     plt.close(fig)
 
 
-def plot_compare(runs: dict[str, list[dict]], path: Path, title: str = "") -> None:
-    """Reward (moving mean) of several runs against rollouts sampled and against wall time."""
+def plot_compare(runs: dict[str, list[list[dict]]], path: Path, title: str = "") -> None:
+    """Reward (moving mean) against completions sampled and against wall time; the runs under
+    one label (seeds) share a colour, thin, with their mean drawn thick."""
     plt = _pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    for label, history in runs.items():
-        rewards = [r["reward_mean"] for r in history]
-        smooth = moving_mean(rewards, max(len(rewards) // 20, 1))
-        rollouts, total = [], 0
-        for r in history:
-            total += r["rollouts"]
-            rollouts.append(total)
-        ax1.plot(rollouts, smooth, label=label)
-        ax2.plot([r["time_s"] for r in history], smooth, label=label)
-    ax1.set(xlabel="completions sampled", ylabel="reward (moving mean)")
+    for colour, (label, histories) in enumerate(runs.items()):
+        curves = []
+        for history in histories:
+            rewards = [r["reward_mean"] for r in history]
+            smooth = moving_mean(rewards, max(len(rewards) // 20, 1))
+            sampled = [sum(r["rollouts"] for r in history[: i + 1]) for i in range(len(history))]
+            curves.append((sampled, [r["time_s"] for r in history], smooth))
+        thin = dict(color=f"C{colour}", lw=0.8, alpha=0.45) if len(curves) > 1 else {}
+        for sampled, times, smooth in curves:
+            ax1.plot(sampled, smooth, **(thin or dict(color=f"C{colour}", label=label)))
+            ax2.plot(times, smooth, **(thin or dict(color=f"C{colour}", label=label)))
+        if len(curves) > 1:
+            n = min(len(c[0]) for c in curves)
+            mean = [sum(c[2][i] for c in curves) / len(curves) for i in range(n)]
+            times = [sum(c[1][i] for c in curves) / len(curves) for i in range(n)]
+            label = f"{label} (mean of {len(curves)})"
+            ax1.plot(curves[0][0][:n], mean, color=f"C{colour}", lw=2, label=label)
+            ax2.plot(times, mean, color=f"C{colour}", lw=2, label=label)
+    ax1.set(xlabel="completions sampled", ylabel="rollout reward (moving mean)")
     ax2.set(xlabel="wall time (s)")
     ax1.legend(loc="best", fontsize=8)
     fig.suptitle(title)
@@ -118,14 +132,19 @@ def plot_compare(runs: dict[str, list[dict]], path: Path, title: str = "") -> No
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="compare the reward curves of fgrpo train runs")
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    parser.add_argument("--labels", nargs="+", help="one per run (default: the folder names)")
+    parser.add_argument(
+        "--labels", nargs="+", help="one per run; runs with one label are seeds of one setting "
+        "(default: the folder names)",
+    )  # fmt: skip
     parser.add_argument("--out", required=True, help="the PNG to write")
     parser.add_argument("--title", default="", help="figure title (default: none)")
     args = parser.parse_args(argv)
     labels = args.labels or [Path(r).name for r in args.runs]
     if len(labels) != len(args.runs):
         parser.error(f"--labels: expected {len(args.runs)} labels; got {len(labels)}")
-    runs = {label: read_metrics(Path(run)) for label, run in zip(labels, args.runs)}
+    runs: dict[str, list[list[dict]]] = {}
+    for label, run in zip(labels, args.runs):
+        runs.setdefault(label, []).append(read_metrics(Path(run)))
     plot_compare(runs, Path(args.out), args.title)
     return 0
 
