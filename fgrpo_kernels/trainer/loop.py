@@ -101,7 +101,7 @@ class Trainer:
         source = list(source)
         return self.rng.sample(source, n) if len(source) >= n else self.rng.choices(source, k=n)
 
-    def _drawas_rows(self, n: int) -> list[dict]:
+    def _draw_rows(self, n: int) -> list[dict]:
         if self.sampler is not None:
             return self.sampler.draw(n)
         return as_rows(self.prompts(n, self.rng))
@@ -124,7 +124,7 @@ class Trainer:
     def rollout(self) -> tuple[Rollout, list[str], list[str], dict]:
         """Sample, score, normalise, and attach reference (and old) log-probs."""
         cfg = self.cfg
-        rows = self._drawas_rows(cfg.prompts_per_step)
+        rows = self._draw_rows(cfg.prompts_per_step)
         batch = hf.sample(
             self.model, self.tokenizer, [r["prompt"] for r in rows], cfg.num_generations,
             cfg.max_new_tokens, cfg.temperature,
