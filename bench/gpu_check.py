@@ -4,29 +4,29 @@
     python bench/gpu_check.py --tiny --out DIR             # CPU dry run: interpreter, toy sizes
 
 In order: the cuBLAS out_dtype probe (False is a failure: bf16 backwards would run their
-fallback product); correctness against float64 on the same rounded inputs (`CASES`: the
-realistic N 4096 × H 4096 × V 151936 bf16 batch with entropy, τ 0.7 and ignored rows; fp16
-with g ≈ 1e-5; V·H and N·H past 2^31; N 1; all rows ignored; a non-contiguous 3-D input; fp32,
-TF32, fp16, bf16 + fp32 weight, a frozen weight, several tiles in both loop orders, every bf16
-autotune candidate, bitwise determinism); then timing (`bench/gpu_timing.py`): a plain cuBLAS
-bf16 GEMM of the shape (the practical ceiling), ours (autotuned), eager PyTorch, Liger-Kernel,
-Cut Cross-Entropy if it imports, torch.compile if time remains; forward and backward timed
-separately, peak memory, and the ratio to the 8·N·H·V FLOP floor at the measured GEMM rate.
+fallback product); correctness against float64 (`bench/gpu_correctness.py`: the realistic
+N 4096 × H 4096 × V 151936 bf16 batch with entropy, τ 0.7 and ignored rows; fp16 with
+g ≈ 1e-5; V·H and N·H past 2^31; N 1; all rows ignored; a non-contiguous 3-D input; fp32, TF32,
+fp16, bf16 + fp32 weight, a frozen weight, several tiles in both loop orders, every bf16
+autotune candidate, bitwise determinism; tolerances tied to each dtype's rounding floor); then
+timing (`bench/gpu_timing.py`): a plain cuBLAS bf16 GEMM of the shape (the practical ceiling),
+ours (autotuned), eager PyTorch, Liger-Kernel, Cut Cross-Entropy if it imports, torch.compile
+if time remains; forward and backward timed separately, peak memory, and the ratio to the
+8·N·H·V FLOP floor at the measured GEMM rate.
 
-Tolerances: fp32 outputs (log-probs, entropy) 1e-5 relative and 1e-4 absolute per token; a
-bf16/fp16 gradient 4×/2× its floor (the exact gradient rounded to that dtype); fp32 gradients
-1e-5, or 1e-2 behind a bf16 dlogits strip; TF32 1e-2. Each case runs in its own try/except (a
-row says what failed); a CUDA error that poisons the context skips the remaining GPU work; the
-deadline (--budget-s, checked between cases, a SIGALRM watchdog inside one) turns what is left
-into "skipped (time budget)" rows. DIR/correctness.csv and DIR/timing.csv are appended and
-flushed row by row; DIR/meta.json and DIR/gpu_check.md are written at the start and the end.
-Exit 1 if a correctness row is not ok. Installs nothing.
+Each case runs in its own try/except (a row says what failed); a CUDA error that poisons the
+context skips the remaining GPU work; the deadline (--budget-s, checked between cases, a
+SIGALRM watchdog inside one) turns what is left into "skipped (time budget)" rows.
+DIR/correctness.csv and DIR/timing.csv are appended and flushed row by row; DIR/meta.json and
+DIR/gpu_check.md are written at the start and the end. Exit 1 if a correctness row is not ok.
+--only NAME,... runs a subset (case or impl names). Installs nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import importlib.util
 import json
 import os
@@ -35,7 +35,6 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,15 +53,12 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_correctness  # noqa: E402
 import gpu_timing  # noqa: E402
 import torch  # noqa: E402
 
-import fgrpo_kernels  # noqa: E402
-from fgrpo_kernels import reference  # noqa: E402
-from fgrpo_kernels.kernels import autotune, configs, gemm  # noqa: E402
+from fgrpo_kernels.kernels import autotune, gemm  # noqa: E402
 
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-DT = {F32: "fp32", BF16: "bf16", F16: "fp16"}
 CORRECTNESS_COLUMNS = ("case", "dtype", "weight_dtype", "N", "H", "V", "bias", "temperature",
                        "entropy", "quantity", "rel_err", "floor", "tol", "ok",
                        "status")  # fmt: skip
@@ -138,265 +134,43 @@ class Runner:
         if self.budget.left() <= 0:
             table.add(base | {"status": SKIPPED})
             return
+        status = None
         try:
             with self.budget.watch():
                 rows = fn()
         except OutOfTime:
             status = f"timeout (budget {self.budget.seconds:.0f} s)"
         except Exception as error:  # noqa: BLE001 - whatever failed, the row says so
-            first = (str(error).strip().splitlines() or [""])[0][:200]
-            oom = isinstance(error, torch.cuda.OutOfMemoryError)
-            status = f"OOM: {first}" if oom else f"error: {type(error).__name__}: {first}"
+            if isinstance(error, torch.cuda.OutOfMemoryError):
+                status = f"OOM: {first_line(error)}"
+            else:
+                status = f"error: {type(error).__name__}: {first_line(error)}"
             traceback.print_exc()
             if "CUDA error" in str(error) or "illegal memory access" in str(error):
-                self.lost = first
-        else:
-            for row in rows:
-                table.add(base | {"status": "ok"} | row)
+                self.lost = first_line(error)
+        self.release(synchronize=status is None or not status.startswith("timeout"))
+        if status is not None:
+            table.add(base | {"status": status})
             return
-        finally:
-            if self.dev.type == "cuda" and not self.lost:
+        for row in rows:
+            table.add(base | {"status": "ok"} | row)
+
+    def release(self, synchronize: bool) -> None:
+        """Free what the case held; a CUDA error surfacing here loses the context. No sync after
+        a time-out (the work may never finish)."""
+        gc.collect()
+        if self.dev.type != "cuda" or self.lost:
+            return
+        try:
+            if synchronize:
                 torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-        table.add(base | {"status": status})
+            torch.cuda.empty_cache()
+        except Exception as error:  # noqa: BLE001
+            self.lost = first_line(error)
 
 
-# ------------------------------------------------------------------------------- correctness
-
-
-@dataclass(frozen=True)
-class Problem:
-    N: int
-    H: int
-    V: int
-    dtype: torch.dtype = BF16
-    wdtype: torch.dtype | None = None
-    bias: bool = False
-    tau: float = 1.0
-    entropy: bool = True
-    ignore_frac: float = 0.1
-    g_scale: float = 1.0  # upstream gradients: g_scale · N(0, 1), or exactly g_scale if < 1e-3
-    grads: tuple[bool, bool, bool] = (True, True, True)
-    fast_fp32: bool = False
-    batch: int = 0  # > 0: hidden [batch, N // batch, H], a strided (non-contiguous) view
-    rows: int = 0  # > 0: compare only the first and last `rows` rows (N·H past 2^31)
-    forced: dict = field(default_factory=dict)
-
-    def base(self, name: str) -> dict:
-        wdt = self.wdtype or self.dtype
-        return {"case": name, "dtype": DT[self.dtype], "weight_dtype": DT[wdt], "N": self.N,
-                "H": self.H, "V": self.V, "bias": int(self.bias), "temperature": self.tau,
-                "entropy": int(self.entropy)}  # fmt: skip
-
-
-def make_inputs(p: Problem, dev, seed=0):
-    g = torch.Generator(device=dev).manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, device=dev)
-
-    if p.batch:
-        full = randn(p.batch, 2 * (p.N // p.batch), p.H).to(p.dtype)
-        hidden = full[:, ::2]  # [B, T, H], every other position: not contiguous
-    else:
-        hidden = randn(p.N, p.H).to(p.dtype)
-    weight = (randn(p.V, p.H) * (2.0 / p.H**0.5)).to(p.wdtype or p.dtype)
-    bias = (randn(p.V) * 0.5).to(p.wdtype or p.dtype) if p.bias else None
-    targets = torch.randint(0, p.V, hidden.shape[:-1], generator=g, device=dev)
-    targets[torch.rand(targets.shape, generator=g, device=dev) < p.ignore_frac] = -100
-    if p.g_scale < 1e-3:
-        g_up = torch.full((2, *targets.shape), p.g_scale, device=dev)
-    else:
-        g_up = randn(2, *targets.shape) * p.g_scale
-    return hidden, weight, bias, targets, g_up
-
-
-def forward_backward(p: Problem, hidden, weight, bias, targets, g_up) -> dict:
-    leaves = [None if t is None else t.detach().requires_grad_(r)
-              for t, r in zip((hidden, weight, bias), p.grads, strict=True)]  # fmt: skip
-    if hidden.dtype == torch.float64:
-        fn, extra = reference.logprobs, {}
-    else:
-        fn, extra = fgrpo_kernels.fused_linear_logprobs, {"fast_fp32": p.fast_fp32}
-    out = fn(leaves[0], leaves[1], targets, leaves[2], p.tau, return_entropy=p.entropy, **extra)
-    logp, ent = out if p.entropy else (out, None)
-    loss = (logp * g_up[0].to(logp.dtype)).sum()
-    if p.entropy:
-        loss = loss + (ent * g_up[1].to(ent.dtype)).sum()
-    loss.backward()
-    got = {"logp": logp, "entropy": ent}
-    for name, t in zip(("d_hidden", "d_weight", "d_bias"), leaves, strict=True):
-        got[name] = None if t is None or not t.requires_grad else t.grad
-    return {k: v.detach() for k, v in got.items() if v is not None}
-
-
-def rel_err(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def tolerance(p: Problem, quantity: str, dtype: torch.dtype, floor: float) -> float:
-    if p.fast_fp32:
-        return 1e-1 if quantity == "logp_max_abs" else 1e-2
-    if quantity == "logp_max_abs":
-        return 1e-4
-    if dtype == F32:
-        return 1e-5 if quantity in ("logp", "entropy") or p.dtype == F32 else 1e-2
-    return (4.0 if dtype == BF16 else 2.0) * floor
-
-
-def compare(p: Problem, got: dict, want: dict) -> list[dict]:
-    rows = []
-    for q, a in got.items():
-        b = want[q]
-        if not float(b.double().norm()):  # all rows ignored: exactly zero
-            err = float(a.double().abs().max()) if a.numel() else 0.0
-            rows.append({"quantity": q, "rel_err": err, "floor": 0.0, "tol": 0.0,
-                         "ok": int(err == 0.0)})  # fmt: skip
-            continue
-        floor = 0.0 if a.dtype == F32 else rel_err(b.to(a.dtype), b)
-        err, tol = rel_err(a, b), tolerance(p, q, a.dtype, floor)
-        rows.append({"quantity": q, "rel_err": err, "floor": floor, "tol": tol,
-                     "ok": int(err <= tol)})  # fmt: skip
-        if q == "logp":
-            err = float((a.double() - b.double()).abs().max())
-            tol = tolerance(p, "logp_max_abs", a.dtype, 0.0)
-            rows.append({"quantity": "logp_max_abs", "rel_err": err, "floor": 0.0, "tol": tol,
-                         "ok": int(err <= tol)})  # fmt: skip
-    return rows
-
-
-def check(p: Problem, dev) -> list[dict]:
-    x = make_inputs(p, dev)
-    with configs.forced(**p.forced):
-        got = forward_backward(p, *x)
-    hidden, weight, bias, targets, g_up = x
-    if p.rows:  # N·H past 2^31: the float64 reference on the first and last rows only
-        rows = []
-        for label, sl in (("first", slice(0, p.rows)), ("last", slice(p.N - p.rows, p.N))):
-            sub = replace(p, N=p.rows, grads=(True, False, False))
-            ref = (hidden[sl].double(), weight.double(), None if bias is None else bias.double())
-            want = forward_backward(sub, *ref, targets[sl], g_up[:, sl])
-            part = {q: got[q][sl] for q in ("logp", "entropy", "d_hidden") if q in got}
-            rows += [r | {"quantity": f"{r['quantity']}_{label}_rows"}
-                     for r in compare(sub, part, want)]  # fmt: skip
-        return rows
-    ref = [hidden.double(), as_multiplied(weight, hidden.dtype, dev), bias]
-    want = forward_backward(p, *[None if t is None else t.double() for t in ref], targets, g_up)
-    return compare(p, got, want)
-
-
-def as_multiplied(weight, dtype: torch.dtype, dev):
-    """The weight as the kernels multiply it: converted to hidden's dtype (as under autocast),
-    rounding to nearest on a GPU. NB: the interpreter (Triton 3.9) truncates fp32 → bf16."""
-    if weight.dtype == dtype or dtype == F32:
-        return weight
-    if dev.type == "cpu" and dtype == BF16:
-        return (weight.float().view(torch.int32) & ~0xFFFF).view(torch.float32)
-    return weight.to(dtype)
-
-
-def determinism(p: Problem, dev) -> list[dict]:
-    x = make_inputs(p, dev, seed=3)
-    runs = [forward_backward(p, *x) for _ in range(2)]
-    same = all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
-    return [{"quantity": "bitwise_equal", "rel_err": 0.0 if same else 1.0, "floor": 0.0,
-             "tol": 0.0, "ok": int(same)}]  # fmt: skip
-
-
-def cases(tiny: bool) -> dict:
-    """name -> (Problem, check function). Full sizes on a GPU; toy sizes for the dry run."""
-    mid = (37, 45, 301) if tiny else (333, 520, 5003)
-    big = (24, 64, 300) if tiny else (4096, 4096, 151936)
-    P = Problem
-    out = {
-        "realistic_bf16": P(*big, tau=0.7),
-        "fp16_small_g": P(*((40, 33, 250) if tiny else (1024, 4096, 32000)), F16, g_scale=1e-5),
-        "vh_past_2_31": P(*((3, 16, 290) if tiny else (64, 16384, 151936)), bias=True),
-        "nh_past_2_31": P(*((40, 16, 64) if tiny else ((1 << 19) + 37, 4096, 8192)), bias=True,
-                          grads=(True, False, False), rows=8 if tiny else 64),
-        "single_token": P(1, *big[1:], bias=True),
-        "all_ignored": P(*mid, bias=True, ignore_frac=1.0),
-        "non_contiguous_3d": P(36 if tiny else 400, *mid[1:], tau=0.7, batch=4),
-        "fp32": P(*mid, F32, bias=True, tau=0.7),
-        "tf32": P(*mid, F32, bias=True, fast_fp32=True),
-        "fp16": P(*mid, F16, tau=0.7),
-        "bf16_fp32_weight": P(*mid, BF16, F32, bias=True),
-        "bf16_frozen_weight": P(*mid, bias=True, grads=(True, False, True)),
-    }  # fmt: skip
-    tiles = {"chunk": 16 if tiny else 128, "wave": 64 if tiny else 1024}
-    for order in (True, False):
-        name = f"tiles_{'rows' if order else 'cols'}_outer"
-        out[name] = P(*mid, bias=True, tau=1.3, forced=tiles | {"rows_outer": order})
-    for c in configs.CANDIDATES[("fwd", "lowp")]:
-        name = f"candidate_{c.block_n}x{c.block_v}x{c.block_k}_w{c.num_warps}_s{c.num_stages}"
-        out[name] = P(*mid, bias=True, tau=0.9, forced={"config": c})
-    checks = {name: (p, check) for name, p in out.items()}
-    checks["determinism"] = (P(*mid, bias=True, tau=0.9), determinism)
-    return checks
-
-
-# ------------------------------------------------------------------------------------ timing
-
-# (pass, FLOPs as a multiple of N·H·V, grads of (hidden, weight))
-PASSES = {"fwd+bwd": (8, (True, True)), "fwd+bwd frozen_w": (6, (True, False)),
-          "fwd no_grad": (2, None)}  # fmt: skip
-
-
-def timing_plan(tiny: bool) -> list[tuple[str, str, int]]:
-    """(impl, pass, N) in priority order: what matters most runs first."""
-    sizes = (8, 16) if tiny else (8192, 32768, 65536)
-    plan = [("gemm_ceiling", "gemm", n) for n in sizes[:1]]
-    plan += [
-        (impl, "fwd+bwd", sizes[0]) for impl in ("ours", "eager", "liger", "cut_cross_entropy")
-    ]
-    plan += [("ours", "fwd+bwd frozen_w", sizes[0]), ("ours", "fwd no_grad", sizes[0])]
-    for n in sizes[1:]:
-        plan += [("gemm_ceiling", "gemm", n), ("ours", "fwd+bwd", n)]
-        plan += [(impl, "fwd+bwd", n) for impl in ("liger", "cut_cross_entropy", "eager")]
-    plan += [("torch_compile", "fwd+bwd", sizes[0])]
-    return plan
-
-
-def time_row(impl: str, pass_: str, N: int, H: int, V: int, dev, iters: int, rates: dict,
-             tiny: bool) -> list[dict]:  # fmt: skip
-    if impl == "gemm_ceiling":
-        row = gpu_timing.gemm_ceiling(N, H, V, dev, iters)
-        rates[N] = row["tflops"] * 1e12
-        return [row | {"total_ms": row["fwd_ms"]}]
-    g = torch.Generator(device=dev).manual_seed(11)
-    hidden = torch.randn(N, H, generator=g, device=dev).to(BF16)
-    weight = (torch.randn(V, H, generator=g, device=dev) * (2.0 / H**0.5)).to(BF16)
-    targets = torch.randint(0, V, (N,), generator=g, device=dev)
-    g_up = torch.randn(N, generator=g, device=dev)
-    factor, grads = PASSES[pass_]
-    leaves = [
-        hidden.requires_grad_(grads is not None),
-        weight.requires_grad_(bool(grads and grads[1])),
-    ]
-    # the dry run compiles with the eager backend: its control flow, not inductor's C++ build
-    extra = {"backend": "eager"} if impl == "torch_compile" and tiny else {}
-    step = gpu_timing.IMPLS[impl](hidden, weight, targets, **extra)
-    row = gpu_timing.measure(step, [t for t in leaves if t.requires_grad], g_up, dev, iters,
-                             backward=grads is not None)  # fmt: skip
-    total = row["fwd_ms"] + (row["bwd_ms"] or 0.0)
-    row["total_ms"] = total
-    row["tflops"] = factor * N * H * V / total / 1e9
-    if N in rates:
-        row["floor_ms"] = factor * N * H * V / rates[N] * 1e3
-        row["ratio_to_floor"] = total / row["floor_ms"]
-    if impl == "ours":
-        row["config"] = gpu_timing.tuned_configs()
-    return [row]
-
-
-def unavailable(impl: str, dev) -> str | None:
-    """Why a baseline cannot run here (a status), or None."""
-    if impl in gpu_timing.IMPORTS and importlib.util.find_spec(gpu_timing.IMPORTS[impl]) is None:
-        return "not installed"
-    if impl in gpu_timing.NEEDS_CUDA and dev.type != "cuda":
-        return "skipped (needs CUDA)"
-    return None
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
 
 
 # -------------------------------------------------------------------------------------- main
@@ -467,7 +241,7 @@ def main(argv=None) -> int:
     pinned = os.environ.get(autotune.ENV)
     os.environ[autotune.ENV] = "0"  # correctness on the default tiles; each candidate below
     try:
-        for name, (p, fn) in cases(args.tiny).items():
+        for name, (p, fn) in gpu_correctness.cases(args.tiny).items():
             if not only or name in only:
                 runner.run(corr, p.base(name), lambda p=p, fn=fn: fn(p, dev))
     finally:
@@ -476,11 +250,11 @@ def main(argv=None) -> int:
         else:
             os.environ[autotune.ENV] = pinned
     rates: dict[int, float] = {}
-    for impl, pass_, N in timing_plan(args.tiny):
+    for impl, pass_, N in gpu_timing.timing_plan(args.tiny):
         if only and impl not in only:
             continue
         base = {"impl": impl, "pass": pass_, "dtype": "bf16", "N": N, "H": H, "V": V}
-        why = unavailable(impl, dev)
+        why = gpu_timing.unavailable(impl, dev)
         if impl == "torch_compile" and budget.left() < (0 if args.tiny else COMPILE_RESERVE_S):
             why = f"skipped (< {COMPILE_RESERVE_S:.0f} s left)"
         if why:
@@ -489,7 +263,9 @@ def main(argv=None) -> int:
         runner.run(
             tim,
             base,
-            lambda i=impl, s=pass_, n=N: time_row(i, s, n, H, V, dev, args.iters, rates, args.tiny),
+            lambda i=impl, s=pass_, n=N: gpu_timing.time_row(
+                i, s, n, H, V, dev, args.iters, rates, args.tiny
+            ),
         )
     env["autotune"] = gpu_timing.tuned_configs()
     env["wall_s"] = round(args.budget_s - budget.left(), 1)

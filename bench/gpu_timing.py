@@ -1,13 +1,15 @@
 """Timing half of bench/gpu_check.py: the implementations it times and how.
 
 Each implementation is `make(hidden, weight, targets) -> step`, where `step()` runs one forward
-(returning the per-token log-probs, with grad) and the caller runs the backward of
-Σ g·logp. `measure` times forward and backward separately with CUDA events (wall clock on a
-CPU) and reads the peak memory beyond the inputs.
+(returning the per-token log-probs, with grad) and `measure` runs the backward of Σ g·logp,
+timing forward and backward separately with CUDA events (wall clock on a CPU) and reading the
+peak memory beyond the inputs. `timing_plan` orders the rows by priority; `time_row` measures
+one, with the FLOP floor at the GEMM rate `gemm_ceiling` measured for the same N.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 
@@ -148,3 +150,64 @@ def tuned_configs() -> str:
     for key, c in autotune.chosen().items():
         out.append(f"{key[0]}:{c.block_n}x{c.block_v}x{c.block_k}/w{c.num_warps}/s{c.num_stages}")
     return " ".join(sorted(set(out)))
+
+
+# (pass, FLOPs as a multiple of N·H·V, grads of (hidden, weight))
+PASSES = {"fwd+bwd": (8, (True, True)), "fwd+bwd frozen_w": (6, (True, False)),
+          "fwd no_grad": (2, None)}  # fmt: skip
+
+
+def timing_plan(tiny: bool) -> list[tuple[str, str, int]]:
+    """(impl, pass, N) in priority order: what matters most runs first."""
+    sizes = (8, 16) if tiny else (8192, 32768, 65536)
+    plan = [("gemm_ceiling", "gemm", n) for n in sizes[:1]]
+    plan += [
+        (impl, "fwd+bwd", sizes[0]) for impl in ("ours", "eager", "liger", "cut_cross_entropy")
+    ]
+    plan += [("ours", "fwd+bwd frozen_w", sizes[0]), ("ours", "fwd no_grad", sizes[0])]
+    for n in sizes[1:]:
+        plan += [("gemm_ceiling", "gemm", n), ("ours", "fwd+bwd", n)]
+        plan += [(impl, "fwd+bwd", n) for impl in ("liger", "cut_cross_entropy", "eager")]
+    plan += [("torch_compile", "fwd+bwd", sizes[0])]
+    return plan
+
+
+def time_row(impl: str, pass_: str, N: int, H: int, V: int, dev, iters: int, rates: dict,
+             tiny: bool) -> list[dict]:  # fmt: skip
+    if impl == "gemm_ceiling":
+        row = gemm_ceiling(N, H, V, dev, iters)
+        rates[N] = row["tflops"] * 1e12
+        return [row | {"total_ms": row["fwd_ms"]}]
+    g = torch.Generator(device=dev).manual_seed(11)
+    hidden = torch.randn(N, H, generator=g, device=dev).to(torch.bfloat16)
+    weight = (torch.randn(V, H, generator=g, device=dev) * (2.0 / H**0.5)).to(torch.bfloat16)
+    targets = torch.randint(0, V, (N,), generator=g, device=dev)
+    g_up = torch.randn(N, generator=g, device=dev)
+    factor, grads = PASSES[pass_]
+    leaves = [
+        hidden.requires_grad_(grads is not None),
+        weight.requires_grad_(bool(grads and grads[1])),
+    ]
+    # the dry run compiles with the eager backend: its control flow, not inductor's C++ build
+    extra = {"backend": "eager"} if impl == "torch_compile" and tiny else {}
+    step = IMPLS[impl](hidden, weight, targets, **extra)
+    row = measure(step, [t for t in leaves if t.requires_grad], g_up, dev, iters,
+                             backward=grads is not None)  # fmt: skip
+    total = row["fwd_ms"] + (row["bwd_ms"] or 0.0)
+    row["total_ms"] = total
+    row["tflops"] = factor * N * H * V / total / 1e9
+    if N in rates:
+        row["floor_ms"] = factor * N * H * V / rates[N] * 1e3
+        row["ratio_to_floor"] = total / row["floor_ms"]
+    if impl == "ours":
+        row["config"] = tuned_configs()
+    return [row]
+
+
+def unavailable(impl: str, dev) -> str | None:
+    """Why a baseline cannot run here (a status), or None."""
+    if impl in IMPORTS and importlib.util.find_spec(IMPORTS[impl]) is None:
+        return "not installed"
+    if impl in NEEDS_CUDA and dev.type != "cuda":
+        return "skipped (needs CUDA)"
+    return None

@@ -18,6 +18,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
+import gpu_correctness  # noqa: E402
+import gpu_timing  # noqa: E402
 
 
 def rows(path: Path) -> list[dict]:
@@ -41,14 +43,14 @@ def test_dry_run_end_to_end(tmp_path):
     assert tuple(corr[0]) == gpu_check.CORRECTNESS_COLUMNS
     assert tuple(tim[0]) == gpu_check.TIMING_COLUMNS
     names = {r["case"] for r in corr}
-    assert names == set(gpu_check.cases(tiny=True)) | {"out_dtype_mm_probe"}
+    assert names == set(gpu_correctness.cases(tiny=True)) | {"out_dtype_mm_probe"}
     for r in corr[1:]:
         assert r["status"] == "ok" and r["ok"] == "1", r
         assert float(r["rel_err"]) <= float(r["tol"]), r
     # every candidate and both loop orders are among the cases
     assert sum(n.startswith("candidate_") for n in names) == 4
     assert {"tiles_rows_outer", "tiles_cols_outer"} <= names
-    plan = gpu_check.timing_plan(tiny=True)
+    plan = gpu_timing.timing_plan(tiny=True)
     assert [(r["impl"], r["pass"], int(r["N"])) for r in tim] == plan
     for r in tim:
         if r["impl"] in ("liger", "cut_cross_entropy"):
@@ -69,14 +71,14 @@ def test_dry_run_end_to_end(tmp_path):
 
 
 def test_failing_case_is_a_row_and_the_rest_runs(tmp_path, monkeypatch, triton_backend):
-    real = gpu_check.check
+    real = gpu_correctness.check
 
     def check(p, dev):
         if p.N == 1:
             raise RuntimeError("injected: no kernel image is available")
         return real(p, dev)
 
-    monkeypatch.setattr(gpu_check, "check", check)
+    monkeypatch.setattr(gpu_correctness, "check", check)
     rc = gpu_check.main(["--tiny", "--out", str(tmp_path), "--iters", "1",
                          "--only", "single_token,all_ignored"])  # fmt: skip
     assert rc == 1
@@ -93,7 +95,7 @@ def test_deadline_cuts_a_stuck_case_and_skips_the_rest(tmp_path, monkeypatch, tr
     def stuck(p, dev):
         time.sleep(30)
 
-    monkeypatch.setattr(gpu_check, "check", stuck)
+    monkeypatch.setattr(gpu_correctness, "check", stuck)
     t0 = time.monotonic()
     rc = gpu_check.main(["--tiny", "--out", str(tmp_path), "--budget-s", "1.5",
                          "--only", "fp32,fp16,ours"])  # fmt: skip
@@ -113,7 +115,7 @@ def test_rows_reach_the_disk_before_the_run_ends(tmp_path, monkeypatch, triton_b
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gpu_check, "time_row", killed)
+    monkeypatch.setattr(gpu_timing, "time_row", killed)
     with pytest.raises(KeyboardInterrupt):
         gpu_check.main(["--tiny", "--out", str(tmp_path), "--only", "all_ignored,ours"])
     corr = rows(tmp_path / "correctness.csv")
