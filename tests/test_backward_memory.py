@@ -7,14 +7,18 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import fgrpo_kernels
 from fgrpo_kernels.kernels import configs
 from tests.test_logprob_triton import KC, check_against_reference, make_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -77,41 +81,40 @@ def test_both_loop_orders_match_reference(dtypes, rows_outer):
         check_against_reference(inputs, tol, temperature=0.8)
 
 
-CHILD = r"""
-import json, sys, torch
-import fgrpo_kernels as fk
-from fgrpo_kernels.kernels import configs
-
-def status(key):
+def _proc_kib(field: str) -> int:
     with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
 
-N, H, V = 8192, 1024, 160
-torch.manual_seed(0)
-h = torch.randn(N, H).bfloat16().requires_grad_()
-w = (torch.randn(V, H) / H**0.5).bfloat16().requires_grad_()
-y = torch.randint(0, V, (N,))
-with configs.forced(configs.KernelConfig(256, 256, 256, 1, 1), scratch=1 << 18):
-    loss = fk.fused_linear_logprobs(h, w, y).sum()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the high-water mark to the current RSS
-    base = status("VmRSS:")
-    loss.backward()
-    peak = status("VmHWM:") - base
-grads = h.grad.nbytes + w.grad.nbytes
-print(json.dumps({"extra_mib": (peak - grads) / 2**20, "fp32_dh_mib": 4 * N * H / 2**20}))
-"""
+
+def backward_peak_child() -> None:
+    """In a fresh interpreter process: the resident-set rise during one bf16 backward, beyond
+    its gradients, as JSON on stdout (malloc returns big blocks to the OS when freed)."""
+    torch.manual_seed(0)
+    n, h, v = 8192, 1024, 160
+    hidden = torch.randn(n, h).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h) / h**0.5).bfloat16().requires_grad_()
+    with configs.forced(KC(256, 256, 256, 1, 1), scratch=1 << 18):
+        loss = fgrpo_kernels.fused_linear_logprobs(hidden, weight, torch.randint(0, v, (n,)))
+        loss = loss.sum()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # NB: the high-water mark restarts from the current resident set
+        before = _proc_kib("VmRSS:")
+        loss.backward()
+        rise = (_proc_kib("VmHWM:") - before) * 1024
+    grads = hidden.grad.nbytes + weight.grad.nbytes
+    print(json.dumps({"extra_mib": (rise - grads) / 2**20, "fp32_dh_mib": 4 * n * h / 2**20}))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_regression_backward_extra_memory_is_a_fixed_scratch():
     """Bug: the backward kept an fp32 dH [N, H] (4·N·H bytes), an N·H strip and a final
     full-size cast alive together, ~8·N·H bytes beyond the inputs. Measured here, bf16 N 8192
-    × H 1024 (the fp32 dH alone: 32 MiB): 56.6 MiB extra before, 8.3 MiB after (scratch of
+    × H 1024 (the fp32 dH alone: 32 MiB): 56.6 MiB extra before, 6-8 MiB after (scratch of
     2^18 elements: blocks of 256 rows)."""
     env = dict(os.environ, TRITON_INTERPRET="1", FGRPO_BACKEND="triton",
                MALLOC_MMAP_THRESHOLD_=str(1 << 20))  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                         timeout=600, check=True)  # fmt: skip
+    code = "from tests.test_backward_memory import backward_peak_child; backward_peak_child()"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600, check=True, cwd=ROOT)  # fmt: skip
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["extra_mib"] < result["fp32_dh_mib"] / 2, result
