@@ -1,32 +1,48 @@
-"""One-call GPU check of the Triton log-prob kernels: correctness vs float64, then speed and memory.
+"""One-shot GPU check of the Triton log-prob kernels that always leaves its results on disk.
 
-    python bench/gpu_check.py --out DIR            # CUDA GPU (sized for an H200, < 8 minutes)
-    python bench/gpu_check.py --tiny --out DIR     # CPU, TRITON_INTERPRET=1, tiny sizes
+    python bench/gpu_check.py --out DIR [--budget-s 420]   # CUDA GPU, sized for an H200
+    python bench/gpu_check.py --tiny --out DIR             # CPU dry run: interpreter, toy sizes
 
-(a) logp, entropy and the grads of hidden/weight/bias against `fgrpo_kernels.reference.logprobs`
-in float64 (fp32, bf16, fp16, bf16 hidden + fp32 weight, TF32; bias, τ ≠ 1, ignored rows; forced
-multi-split / multi-wave tiling; bitwise determinism; N·H and N·Vw past 2^31 on the GPU).
-(b) median time (CUDA events, after warm-up) and peak memory of fwd and fwd+bwd at
-N ∈ {8192, 32768, 65536}, H 4096, V 151936, bf16, also with a frozen lm_head, with the ratio to
-the FLOP floor at 790 TFLOP/s. An OOM is a row, not a crash. Installs nothing.
-Writes DIR/correctness.csv, DIR/timing.csv and DIR/gpu_check.md; exit 1 if a check fails.
+In order: the cuBLAS out_dtype probe (False is a failure: bf16 backwards would run their
+fallback product); correctness against float64 (`bench/gpu_correctness.py`: the realistic
+N 4096 × H 4096 × V 151936 bf16 batch with entropy, τ 0.7 and ignored rows; fp16 with
+g ≈ 1e-5; V·H and N·H past 2^31; N 1; all rows ignored; a non-contiguous 3-D input; fp32, TF32,
+fp16, bf16 + fp32 weight, a frozen weight, several tiles in both loop orders, every bf16
+autotune candidate, bitwise determinism; tolerances tied to each dtype's rounding floor); then
+timing (`bench/gpu_timing.py`): a plain cuBLAS bf16 GEMM of the shape (the practical ceiling),
+ours (autotuned), eager PyTorch, Liger-Kernel, Cut Cross-Entropy if it imports, torch.compile
+if time remains; forward and backward timed separately, peak memory, and the ratio to the
+8·N·H·V FLOP floor at the measured GEMM rate.
+
+Each case runs in its own try/except (a row says what failed); a CUDA error that poisons the
+context skips the remaining GPU work; the deadline (--budget-s, checked between cases, a
+SIGALRM watchdog inside one) turns what is left into "skipped (time budget)" rows.
+DIR/correctness.csv and DIR/timing.csv are appended and flushed row by row; DIR/meta.json and
+DIR/gpu_check.md are written at the start and the end. Exit 1 if a correctness row is not ok.
+--only NAME,... runs a subset (case or impl names). Installs nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gc
+import importlib.util
+import json
 import os
-import statistics
+import signal
 import sys
 import time
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--out", type=Path, default=Path("gpu_check_out"))
-ARGS.add_argument("--tiny", action="store_true", help="CPU + Triton interpreter, tiny sizes")
-ARGS.add_argument("--budget-s", type=float, default=420.0, help="skip timing rows after this")
-ARGS.add_argument("--iters", type=int, default=5)
+ARGS.add_argument("--tiny", action="store_true", help="CPU + Triton interpreter, toy sizes")
+ARGS.add_argument("--budget-s", type=float, default=420.0, help="deadline for the whole run")
+ARGS.add_argument("--iters", type=int, default=5, help="timed rounds per timing row")
+ARGS.add_argument("--only", default="", help="comma-separated case / impl names to run")
 
 if __name__ == "__main__":
     _tiny = "--tiny" in sys.argv[1:]
@@ -35,266 +51,231 @@ if __name__ == "__main__":
     os.environ["FGRPO_BACKEND"] = "triton"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_correctness  # noqa: E402
+import gpu_timing  # noqa: E402
 import torch  # noqa: E402
 
-import fgrpo_kernels  # noqa: E402
-from fgrpo_kernels import reference  # noqa: E402
-from fgrpo_kernels.kernels import configs  # noqa: E402
+from fgrpo_kernels.kernels import autotune, gemm  # noqa: E402
 
-PEAK_FLOPS = 790e12
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-DT = {F32: "fp32", BF16: "bf16", F16: "fp16"}
 CORRECTNESS_COLUMNS = ("case", "dtype", "weight_dtype", "N", "H", "V", "bias", "temperature",
-                       "entropy", "quantity", "rel_err", "tol", "ok")  # fmt: skip
-TIMING_COLUMNS = ("case", "mode", "dtype", "N", "H", "V", "status", "ms_median", "ms_min", "iters",
-                  "peak_gib", "input_gib", "extra_gib", "flops", "floor_ms",
-                  "ratio_to_floor")  # fmt: skip
-# name: (hidden dtype, weight dtype, bias, τ, entropy, forced (splits, wave in BLOCK_V), options)
-CASES = {
-    "fp32": (F32, F32, True, 0.7, True, None, {}),
-    "fp32_split_waves": (F32, F32, False, 1.0, True, (3, 5), {}),
-    "bf16": (BF16, BF16, True, 0.7, True, None, {}),
-    "bf16_split_waves": (BF16, BF16, True, 1.3, False, (2, 3), {}),
-    "bf16_fp32_weight": (BF16, F32, True, 1.0, True, None, {}),
-    "fp16": (F16, F16, False, 0.7, True, None, {}),
-    "fp32_tf32": (F32, F32, True, 1.0, False, None, {"fast_fp32": True}),
-    "bf16_frozen_weight": (BF16, BF16, True, 1.0, True, None, {"frozen_weight": True}),
-}
-TOL = {F32: 1e-5, BF16: 2e-2, F16: 2e-2, "tf32": 1e-2}
+                       "entropy", "quantity", "rel_err", "floor", "tol", "ok",
+                       "status")  # fmt: skip
+TIMING_COLUMNS = ("impl", "pass", "dtype", "N", "H", "V", "status", "fwd_ms", "bwd_ms",
+                  "total_ms", "first_call_s", "peak_extra_gib", "tflops", "floor_ms",
+                  "ratio_to_floor", "config")  # fmt: skip
+SKIPPED = "skipped (time budget)"
+COMPILE_RESERVE_S = 90.0  # torch.compile runs only with this much time left
 
 
-def rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+class OutOfTime(Exception):
+    pass
 
 
-def inputs(N, H, V, dtype, wdtype, bias, dev, seed=0, ignore_frac=0.1):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    hidden = torch.randn(N, H, generator=g, device=dev).to(dtype)
-    weight = (torch.randn(V, H, generator=g, device=dev) * (2.0 / H**0.5)).to(wdtype)
-    b = (torch.randn(V, generator=g, device=dev) * 0.5).to(wdtype) if bias else None
-    targets = torch.randint(0, V, (N,), generator=g, device=dev)
-    targets[torch.rand(N, generator=g, device=dev) < ignore_frac] = -100
-    return hidden, weight, b, targets
+class Budget:
+    def __init__(self, seconds: float):
+        self.seconds, self.end = seconds, time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    @contextmanager
+    def watch(self):
+        """Raise OutOfTime inside the block at the deadline (SIGALRM, main thread only)."""
+        if self.left() <= 0:
+            raise OutOfTime
+        if not hasattr(signal, "setitimer"):
+            yield
+            return
+
+        def alarm(signum, frame):
+            raise OutOfTime
+
+        old = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, self.left())
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
 
 
-def forward_backward(hidden, weight, bias, targets, tau, entropy, grads, g_up, fast_fp32=False):
-    leaves = [None if t is None else t.detach().requires_grad_(r)
-              for t, r in zip((hidden, weight, bias), grads, strict=True)]  # fmt: skip
-    if leaves[0].dtype == torch.float64:
-        out = reference.logprobs(leaves[0], leaves[1], targets, leaves[2], tau,
-                                 return_entropy=entropy)  # fmt: skip
-    else:
-        out = fgrpo_kernels.fused_linear_logprobs(
-            leaves[0],
-            leaves[1],
-            targets,
-            leaves[2],
-            tau,
-            return_entropy=entropy,
-            fast_fp32=fast_fp32,
-        )
-    logp, ent = out if entropy else (out, None)
-    loss = (logp * g_up[0].to(logp.dtype)).sum()
-    if entropy:
-        loss = loss + (ent * g_up[1].to(ent.dtype)).sum()
-    loss.backward()
-    return [logp, ent] + [None if t is None else t.grad for t in leaves]
+class Table:
+    """One CSV file, each row appended, flushed and fsynced as soon as it exists."""
+
+    def __init__(self, path: Path, columns: tuple[str, ...]):
+        self.path, self.columns, self.rows = path, columns, []
+        with open(path, "w", newline="") as f:
+            csv.DictWriter(f, fieldnames=columns).writeheader()
+
+    def add(self, row: dict) -> None:
+        row = {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in row.items()}
+        self.rows.append(row)
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.columns, restval="").writerow(row)
+            f.flush()
+            os.fsync(f.fileno())
+        keys = ("case", "impl", "pass", "N", "quantity", "rel_err", "tol", "total_ms", "status")
+        shown = {k: row[k] for k in keys if row.get(k) not in (None, "")}
+        print(" ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
 
 
-def correctness(sizes, dev) -> list[dict]:
-    N, H, V = sizes
-    rows = []
-    for name, (dt, wdt, bias, tau, ent, forced, opt) in CASES.items():
-        x = inputs(N, H, V, dt, wdt, bias, dev)
-        grads = (True, not opt.get("frozen_weight", False), True)
-        g_up = torch.randn(2, N, device=dev, generator=torch.Generator(dev).manual_seed(1))
-        fast = opt.get("fast_fp32", False)
-        split_wave = {}
-        if forced:
-            bv = configs.kernel_config("bwd", dt, wdt, fast, dev.type != "cuda").block_v
-            split_wave = {"splits": forced[0], "wave": forced[1] * bv}
-        with configs.forced(**split_wave):
-            got = forward_backward(*x, tau, ent, grads, g_up, fast)
-        ref = [t.double() if t is not None and t.is_floating_point() else t for t in x]
-        want = forward_backward(*ref, tau, ent, grads, g_up)
-        tol = TOL["tf32" if fast else dt]
-        base = {"case": name, "dtype": DT[dt], "weight_dtype": DT[wdt], "N": N, "H": H, "V": V,
-                "bias": int(bias), "temperature": tau, "entropy": int(ent), "tol": tol}  # fmt: skip
-        names = ("logp", "entropy", "d_hidden", "d_weight", "d_bias")
-        for q, a, b in zip(names, got, want, strict=True):
-            if a is None and b is None:
-                continue
-            err = float("nan") if a is None or b is None else rel_err(a, b)
-            rows.append(base | {"quantity": q, "rel_err": err, "ok": int(err <= tol)})
-    return rows + [determinism(sizes, dev)]
+class Runner:
+    """Runs one case at a time: a failure, an OOM, a time-out is a row, never the end."""
+
+    def __init__(self, budget: Budget, dev: torch.device):
+        self.budget, self.dev, self.lost = budget, dev, None
+
+    def run(self, table: Table, base: dict, fn) -> None:
+        if self.lost:
+            table.add(base | {"status": f"skipped (CUDA context lost: {self.lost})"})
+            return
+        if self.budget.left() <= 0:
+            table.add(base | {"status": SKIPPED})
+            return
+        status = None
+        try:
+            with self.budget.watch():
+                rows = fn()
+        except OutOfTime:
+            status = f"timeout (budget {self.budget.seconds:.0f} s)"
+        except Exception as error:  # noqa: BLE001 - whatever failed, the row says so
+            if isinstance(error, torch.cuda.OutOfMemoryError):
+                status = f"OOM: {first_line(error)}"
+            else:
+                status = f"error: {type(error).__name__}: {first_line(error)}"
+            traceback.print_exc()
+            if "CUDA error" in str(error) or "illegal memory access" in str(error):
+                self.lost = first_line(error)
+        self.release(synchronize=status is None or not status.startswith("timeout"))
+        if status is not None:
+            table.add(base | {"status": status})
+            return
+        for row in rows:
+            table.add(base | {"status": "ok"} | row)
+
+    def release(self, synchronize: bool) -> None:
+        """Free what the case held; a CUDA error surfacing here loses the context. No sync after
+        a time-out (the work may never finish)."""
+        gc.collect()
+        if self.dev.type != "cuda" or self.lost:
+            return
+        try:
+            if synchronize:
+                torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as error:  # noqa: BLE001
+            self.lost = first_line(error)
 
 
-def determinism(sizes, dev) -> dict:
-    N, H, V = sizes
-    x = inputs(N, H, V, BF16, BF16, True, dev, seed=3)
-    g_up = torch.randn(2, N, device=dev)
-    runs = [forward_backward(*x, 0.9, True, (True, True, True), g_up)[2:] for _ in range(2)]
-    same = all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
-    return {"case": "determinism", "dtype": "bf16", "weight_dtype": "bf16", "N": N, "H": H, "V": V,
-            "bias": 1, "temperature": 0.9, "entropy": 1, "quantity": "bitwise_equal_grads",
-            "rel_err": 0.0 if same else 1.0, "tol": 0.0, "ok": int(same)}  # fmt: skip
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
 
 
-def big_offsets(dev) -> list[dict]:
-    """N·H and N·Vw (the dlogits strip) past 2^31: check rows at both ends against float64."""
-    N, H, V = (1 << 19) + 37, 4096, 8192
-    x = inputs(N, H, V, BF16, BF16, True, dev, seed=5)
-    g_up = torch.randn(2, N, device=dev)
-    got = forward_backward(*x, 1.0, True, (True, False, False), g_up)
-    rows, base = (
-        [],
-        {
-            "case": "big_offsets",
-            "dtype": "bf16",
-            "weight_dtype": "bf16",
-            "N": N,
-            "H": H,
-            "V": V,
-            "bias": 1,
-            "temperature": 1.0,
-            "entropy": 1,
-            "tol": 2e-2,
-        },
-    )
-    for label, sl in (("first", slice(0, 64)), ("last", slice(N - 64, N))):
-        sub = [x[0][sl].double(), x[1].double(), x[2].double(), x[3][sl]]
-        want = forward_backward(*sub, 1.0, True, (True, False, False), g_up[:, sl])
-        for q, a, b in (("logp", got[0][sl], want[0]), ("entropy", got[1][sl], want[1]),
-                        ("d_hidden", got[2][sl], want[2])):  # fmt: skip
-            err = rel_err(a, b)
-            rows.append(base | {"quantity": f"{q}_{label}_rows", "rel_err": err,
-                                "ok": int(err <= 2e-2)})  # fmt: skip
-    return rows
+# -------------------------------------------------------------------------------------- main
 
 
-def timed(fn, dev, iters) -> tuple[float, float]:
-    times = []
-    for _ in range(iters):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), min(times)
+ON_CPU = "skipped (CPU: no such kernel)"
 
 
-def timing(sizes_n, H, V, dev, iters, deadline) -> list[dict]:
-    rows = []
-    gib = 2.0**30
-    weight = (torch.randn(V, H, device=dev) * 0.02).to(BF16)
-    modes = (("fwd", None, 2), ("fwd+bwd", (True, True), 8), ("fwd+bwd frozen_w", (True, False), 6))
-    for N in sizes_n:
-        for mode, grads, flop_factor in modes:
-            row = {"case": "lm_head", "mode": mode, "dtype": "bf16", "N": N, "H": H, "V": V,
-                   "iters": iters, "flops": f"{flop_factor}NHV"}  # fmt: skip
-            flops = flop_factor * N * H * V
-            row |= {"floor_ms": flops / PEAK_FLOPS * 1e3}
-            if time.monotonic() > deadline:
-                rows.append(row | {"status": "skipped (time budget)"})
-                continue
-            hidden = targets = None
-            try:
-                hidden = torch.randn(N, H, device=dev).to(BF16)
-                targets = torch.randint(0, V, (N,), device=dev)
-                g_up = torch.randn(N, device=dev)
-                h_leaf = hidden.requires_grad_(grads is not None)
-                w_leaf = weight.requires_grad_(grads is not None and grads[1])
-
-                def step(h_leaf=h_leaf, w_leaf=w_leaf, targets=targets, g_up=g_up, grads=grads):
-                    h_leaf.grad = w_leaf.grad = None
-                    if grads is None:
-                        with torch.no_grad():
-                            fgrpo_kernels.fused_linear_logprobs(h_leaf, w_leaf, targets)
-                    else:
-                        logp = fgrpo_kernels.fused_linear_logprobs(h_leaf, w_leaf, targets)
-                        (logp * g_up).sum().backward()
-
-                step()  # compile + warm-up
-                step()
-                if dev.type == "cuda":
-                    h_leaf.grad = w_leaf.grad = None
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                    step()
-                    torch.cuda.synchronize()
-                    peak = torch.cuda.max_memory_allocated()
-                    row |= {"peak_gib": peak / gib, "input_gib": base / gib,
-                            "extra_gib": (peak - base) / gib}  # fmt: skip
-                med, best = timed(step, dev, iters)
-                row |= {"status": "ok", "ms_median": med, "ms_min": best,
-                        "ratio_to_floor": med / row["floor_ms"]}  # fmt: skip
-            except torch.cuda.OutOfMemoryError as exc:
-                row |= {"status": f"OOM: {str(exc).splitlines()[0][:120]}"}
-            finally:
-                weight.grad = None
-                del hidden, targets
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-            rows.append(row)
-    return rows
+def probe(table: Table, dev, available: bool) -> None:
+    """The out_dtype probe as a correctness row; on a GPU, False fails the run, loudly."""
+    if dev.type == "cuda" and not available:
+        print("=" * 78 + "\ngpu_check: FAILED: torch.mm/addmm have no out_dtype=float32 for bf16"
+              " here;\nthe bf16 backward runs its fallback product. Use a newer torch.\n"
+              + "=" * 78, file=sys.stderr, flush=True)  # fmt: skip
+    table.add({"case": "out_dtype_mm_probe", "quantity": "available", "ok": int(available),
+               "status": "ok" if dev.type == "cuda" else ON_CPU})  # fmt: skip
 
 
-def write(out: Path, corr: list[dict], tim: list[dict], env: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for name, rows, cols in (("correctness", corr, CORRECTNESS_COLUMNS),
-                             ("timing", tim, TIMING_COLUMNS)):  # fmt: skip
-        with open(out / f"{name}.csv", "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=cols, restval="")
-            wr.writeheader()
-            wr.writerows(rows)
+def failures(rows: list[dict]) -> list[dict]:
+    """Correctness rows that are not ok (skipped and failed ones included)."""
+    return [r for r in rows if str(r.get("ok")) != "1" and r["status"] != ON_CPU]
 
-    def fmt(v):
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
 
+def environment(dev, tiny: bool) -> dict:
+    import triton
+
+    env = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
+           "torch": torch.__version__, "triton": triton.__version__,
+           "mode": "tiny" if tiny else "full", "cuda": torch.version.cuda}  # fmt: skip
+    for name, module in (("liger", "liger_kernel"), ("cut_cross_entropy", "cut_cross_entropy")):
+        env[name] = "installed" if importlib.util.find_spec(module) else "not installed"
+    return env
+
+
+def summary(out: Path, env: dict, tables: dict[str, Table]) -> None:
+    (out / "meta.json").write_text(json.dumps(env, indent=1, default=str) + "\n")
     lines = ["# gpu_check", ""] + [f"- {k}: {v}" for k, v in env.items()]
-    for title, rows, cols in (("Correctness", corr, CORRECTNESS_COLUMNS),
-                              ("Timing", tim, TIMING_COLUMNS)):  # fmt: skip
-        lines += ["", f"## {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    for title, table in tables.items():
+        lines += ["", f"## {title}", "", "| " + " | ".join(table.columns) + " |",
+                  "|" + "---|" * len(table.columns)]  # fmt: skip
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in table.columns) + " |"
+                  for r in table.rows]  # fmt: skip
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
     args = ARGS.parse_args(argv)
-    t0 = time.monotonic()
+    budget = Budget(args.budget_s)
+    only = {s for s in args.only.split(",") if s}
     if args.tiny:
-        dev = torch.device("cpu")
-        corr_sizes, time_n, H, V = (19, 33, 211), (8, 16), 33, 211
+        dev, (H, V) = torch.device("cpu"), (33, 211)
     else:
         if not torch.cuda.is_available():
             print("gpu_check: no CUDA device; use --tiny on a CPU", file=sys.stderr)
             return 2
-        dev = torch.device("cuda")
-        corr_sizes, time_n, H, V = (333, 520, 5003), (8192, 32768, 65536), 4096, 151936
-    env = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
-           "torch": torch.__version__, "triton": __import__("triton").__version__,
-           "mode": "tiny" if args.tiny else "full"}  # fmt: skip
-    corr = correctness(corr_sizes, dev)
-    if not args.tiny:
-        corr += big_offsets(dev)
-        from fgrpo_kernels.kernels.logprob_bwd import _has_out_dtype_mm
+        dev, (H, V) = torch.device("cuda"), (4096, 151936)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tables = {"Correctness": Table(args.out / "correctness.csv", CORRECTNESS_COLUMNS),
+              "Timing": Table(args.out / "timing.csv", TIMING_COLUMNS)}  # fmt: skip
+    env = environment(dev, args.tiny)
+    summary(args.out, env, tables)
+    runner = Runner(budget, dev)
+    corr, tim = tables["Correctness"], tables["Timing"]
 
-        env["cublas_out_dtype_mm"] = _has_out_dtype_mm(dev)
-    print(f"correctness done in {time.monotonic() - t0:.1f}s", flush=True)
-    tim = timing(time_n, H, V, dev, args.iters, t0 + args.budget_s)
-    env["wall_s"] = f"{time.monotonic() - t0:.1f}"
-    write(args.out, corr, tim, env)
-    print((args.out / "gpu_check.md").read_text())
-    bad = [r for r in corr if not r["ok"]]
+    env["cublas_out_dtype_mm"] = gemm.has_out_dtype_mm(dev)
+    probe(corr, dev, env["cublas_out_dtype_mm"])
+
+    pinned = os.environ.get(autotune.ENV)
+    os.environ[autotune.ENV] = "0"  # correctness on the default tiles; each candidate below
+    try:
+        for name, (p, fn) in gpu_correctness.cases(args.tiny).items():
+            if not only or name in only:
+                runner.run(corr, p.base(name), lambda p=p, fn=fn: fn(p, dev))
+    finally:
+        if pinned is None:
+            os.environ.pop(autotune.ENV)
+        else:
+            os.environ[autotune.ENV] = pinned
+    rates: dict[int, float] = {}
+    for impl, pass_, N in gpu_timing.timing_plan(args.tiny):
+        if only and impl not in only:
+            continue
+        base = {"impl": impl, "pass": pass_, "dtype": "bf16", "N": N, "H": H, "V": V}
+        why = gpu_timing.unavailable(impl, dev)
+        if impl == "torch_compile" and budget.left() < (0 if args.tiny else COMPILE_RESERVE_S):
+            why = f"skipped (< {COMPILE_RESERVE_S:.0f} s left)"
+        if why:
+            tim.add(base | {"status": why})
+            continue
+        runner.run(
+            tim,
+            base,
+            lambda i=impl, s=pass_, n=N: gpu_timing.time_row(
+                i, s, n, H, V, dev, args.iters, rates, args.tiny
+            ),
+        )
+    env["autotune"] = gpu_timing.tuned_configs()
+    env["wall_s"] = round(args.budget_s - budget.left(), 1)
+    summary(args.out, env, tables)
+    bad = failures(corr.rows)
+    print(
+        f"gpu_check: {len(corr.rows) - len(bad)}/{len(corr.rows)} correctness rows ok, "
+        f"{len(tim.rows)} timing rows, {env['wall_s']} s; files in {args.out}",
+        flush=True,
+    )
     return 1 if bad else 0
 
 

@@ -11,6 +11,8 @@
 // dh += dz W_sweep. Phase 2, one task per fixed SUB_V x SUB_H piece of the sweep:
 // dW (+)= dz^T h_chunk and db += Σ_n dz in row order. Every output element has one owner and a
 // fixed summation order: bitwise deterministic whatever the thread count.
+// An ignored row's dz is 0, but 0·NaN = NaN: a chunk holding an ignored row whose hidden state
+// is not finite multiplies dW by a copy of its rows with the ignored ones zeroed.
 #include "logprob.h"
 
 #include <ATen/ops/empty.h>
@@ -18,6 +20,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace fgrpo {
 namespace {
@@ -83,6 +86,14 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
     cy[n] = g * inv_t;
   }
 
+  // Ignored rows with a NaN or inf in their hidden state (see the note at the top).
+  std::vector<char> poisoned(need_w ? N : 0, 0);
+  for (int64_t n = 0; n < static_cast<int64_t>(poisoned.size()); ++n) {
+    if (y[n] != ignore_index) continue;
+    const float* row = h + n * H;
+    for (int64_t k = 0; k < H && !poisoned[n]; ++k) poisoned[n] = !std::isfinite(row[k]);
+  }
+
   const bool convert_w = weight.scalar_type() != at::kFloat;
   const bool direct_dh = hidden_in.scalar_type() == at::kFloat;
   const bool direct_dw = weight.scalar_type() == at::kFloat;
@@ -92,6 +103,7 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
   Tensor dz_buf = scratch_f32(std::min(N, CHUNK_N) * SUPER_V);
   Tensor w_buf = scratch_f32(convert_w ? SUPER_V * H : 0);
   Tensor dw_buf = scratch_f32(need_w && !direct_dw ? SUPER_V * H : 0);
+  Tensor h_buf;  // the masked copy of a chunk's hidden rows, allocated on first need
   float* dzs = dz_buf.data_ptr<float>();
   float* dhs = need_h ? dh.data_ptr<float>() : nullptr;
   float* dbs = need_b ? db.data_ptr<float>() : nullptr;
@@ -132,14 +144,28 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
         if (need_h) gemm_nn(rows, H, scols, 1.f, dz, SUPER_V, w, H, 1.f, dhs + n0 * H, H);
       });
       if (!need_w && !need_b) continue;
+      const float* hc = h + c0 * H;
+      if (need_w && std::any_of(poisoned.begin() + c0, poisoned.begin() + c0 + crows,
+                                [](char p) { return p != 0; })) {
+        if (!h_buf.defined()) h_buf = scratch_f32(std::min(N, CHUNK_N) * H);
+        float* hb = h_buf.data_ptr<float>();
+        for (int64_t r = 0; r < crows; ++r) {
+          if (poisoned[c0 + r]) {
+            std::memset(hb + r * H, 0, sizeof(float) * H);
+          } else {
+            std::memcpy(hb + r * H, hc + r * H, sizeof(float) * H);
+          }
+        }
+        hc = hb;
+      }
       // Phase 2: dW (+)= dz^T h and db += Σ_n dz, one owner per SUB_V x SUB_H piece.
       parallel_tasks(cdiv(scols, SUB_V) * h_pieces, [&](int64_t piece, int) {
         const int64_t r0 = (piece / h_pieces) * SUB_V, k0 = (piece % h_pieces) * SUB_H;
         const int64_t vr = std::min(SUB_V, scols - r0);
         if (need_w) {
-          const int64_t hc = std::min(SUB_H, H - k0);
-          gemm_tn(vr, hc, crows, 1.f, dzs + r0, SUPER_V, h + c0 * H + k0, H,
-                  c0 == 0 ? 0.f : 1.f, dwt + r0 * H + k0, H);
+          const int64_t cols = std::min(SUB_H, H - k0);
+          gemm_tn(vr, cols, crows, 1.f, dzs + r0, SUPER_V, hc + k0, H, c0 == 0 ? 0.f : 1.f,
+                  dwt + r0 * H + k0, H);
         }
         if (need_b && k0 == 0) {
           float* acc = dbs + s0 + r0;

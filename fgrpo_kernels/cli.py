@@ -16,9 +16,16 @@ SUBCOMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line: `prog: error: message (see prog --help)`."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    top = argparse.ArgumentParser(prog="fgrpo", description="fgrpo_kernels command line")
+    top = Parser(prog="fgrpo", description="fgrpo_kernels command line")
     top.add_argument(
         "command",
         choices=list(SUBCOMMANDS),
@@ -27,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in SUBCOMMANDS:
         top.parse_args(argv[:1])
     module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
-    parser = argparse.ArgumentParser(prog=f"fgrpo {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
+    parser = Parser(prog=f"fgrpo {argv[0]}", description=SUBCOMMANDS[argv[0]][1])
     module.add_arguments(parser)
     return int(module.run(parser.parse_args(argv[1:])) or 0)
 

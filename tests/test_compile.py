@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from fgrpo_kernels.kernels import configs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,6 +40,15 @@ def test_compile_report_sm90(report):
         assert 0 < int(r["regs"]) <= 255, r
         if "logprob" in r["kernel"]:
             assert int(r["smem"]) > 0, r
+
+
+def test_compile_report_covers_every_bf16_autotune_candidate(report):
+    for kind in ("fwd", "bwd"):
+        rows = {(r["tile"], int(r["warps"]), int(r["stages"])) for r in report
+                if r["kernel"] == f"_logprob_{kind}_kernel"}  # fmt: skip
+        want = {(f"{c.block_n}x{c.block_v}x{c.block_k}", c.num_warps, c.num_stages)
+                for c in configs.CANDIDATES[(kind, "lowp")]}  # fmt: skip
+        assert rows == want
 
 
 def test_regression_no_register_spills_sm90(report):

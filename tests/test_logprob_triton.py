@@ -147,13 +147,14 @@ def test_backward_is_deterministic():
 class GemmSpy:
     def __init__(self, monkeypatch):
         self.calls = []
-        real = logprob_bwd._gemm
+        real = logprob_bwd.gemm
 
-        def spy(out, a, b, accumulate):
-            self.calls.append("dH" if accumulate else "dW")
-            return real(out, a, b, accumulate)
+        def spy(out, a, b, accumulate, how=None):
+            # dH multiplies the strip [rows, wave], dW its transpose (not contiguous here)
+            self.calls.append("dH" if a.is_contiguous() else "dW")
+            return real(out, a, b, accumulate, how)
 
-        monkeypatch.setattr(logprob_bwd, "_gemm", spy)
+        monkeypatch.setattr(logprob_bwd, "gemm", spy)
 
 
 @pytest.mark.parametrize(
@@ -266,23 +267,11 @@ def test_all_rows_ignored_give_zero():
 # ------------------------------------------------------------------ the tuning table's bounds
 
 
-@given(N=st.integers(1, 1 << 17), H=st.integers(1, 8192), V=st.integers(1, 1 << 18),
-       mixed=st.booleans(), key=st.sampled_from(sorted(configs.TABLE)))  # fmt: skip
-def test_wave_width_bounds_scratch(N, H, V, mixed, key):
-    cfg = configs.TABLE[key]
-    wave = configs.wave_width(N, H, V, cfg, mixed)
-    budget = max(N * H, configs.SCRATCH_FLOOR)
-    assert 1 <= wave <= V
-    assert wave == V or wave % cfg.block_v == 0
-    assert N * wave <= max(budget, N * cfg.block_v)  # the strip [N, Vw]
-    if mixed:
-        assert wave * H <= max(budget, H * cfg.block_v)  # the converted weight wave [Vw, H]
-
-
 @given(N=st.integers(1, 1 << 17), V=st.integers(1, 1 << 18), want=st.none() | st.integers(1, 64),
-       key=st.sampled_from(sorted(configs.TABLE)))  # fmt: skip
-def test_vocab_splits_are_never_empty(N, V, want, key):
-    cfg = configs.TABLE[key]
+       key=st.sampled_from(sorted(configs.CANDIDATES)), pick=st.integers(0, 3))  # fmt: skip
+def test_vocab_splits_are_never_empty(N, V, want, key, pick):
+    cands = configs.CANDIDATES[key]
+    cfg = cands[pick % len(cands)]
     with configs.forced(splits=want):
         n_splits, per_split = configs.vocab_splits(N, V, cfg, torch.device("cpu"))
     n_tiles = -(-V // cfg.block_v)

@@ -1,7 +1,6 @@
-"""The thin trainer: a few seeded steps of each loss learn an easy task; `fgrpo train` writes
-its outputs; configuration errors name the argument."""
+"""The thin trainer's loop: a few seeded steps of each loss learn an easy task; gradient
+accumulation; the PEFT reference; configuration errors name the argument."""
 
-import json
 import math
 import random
 
@@ -10,21 +9,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from fgrpo_kernels.cli import main  # noqa: E402
 from fgrpo_kernels.trainer import TrainConfig, Trainer, hf  # noqa: E402
 from fgrpo_kernels.trainer.task import PatternTask  # noqa: E402
 from fgrpo_kernels.trainer.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
+from .trainer_common import cpu_path  # noqa: E402, F401
+
+pytestmark = pytest.mark.usefixtures("cpu_path")
+
 TASK = PatternTask()
-
-
-@pytest.fixture(autouse=True)
-def _cpu_path(monkeypatch):
-    monkeypatch.setenv("FGRPO_BACKEND", "cpu")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def always_seven(prompts, completions):
@@ -95,7 +88,7 @@ def test_dapo_grad_accum_equals_one_batch():
         trainer = Trainer(tiny_model(0), tiny_tokenizer(), TASK.reward, TASK.prompts, cfg)
         if accum == 1:
             torch.manual_seed(1)
-            rollout, _, _ = trainer.rollout()
+            rollout = trainer.rollout()[0]
         for group in trainer.optimizer.param_groups:
             group["lr"] = 0.0  # keep the parameters, read the gradients
         trainer.update(rollout)
@@ -117,30 +110,12 @@ def test_peft_reference_is_the_adapter_disabled_model(tmp_path):
     assert trainer.ref_is_adapter and trainer.ref_model is None
     assert not hf.causal_lm(model).get_output_embeddings().weight.requires_grad
     trainer.train()
-    rollout, _, _ = trainer.rollout()
+    rollout = trainer.rollout()[0]
     with model.disable_adapter():
         frozen = hf.logps_no_grad(model, rollout, 1.0)
     torch.testing.assert_close(rollout.ref_logps, frozen)
     assert not torch.allclose(hf.logps_no_grad(model, rollout, 1.0), frozen)  # the adapter moved
     assert (tmp_path / "final" / "adapter_config.json").exists()
-
-
-def test_fgrpo_train_cli_writes_metrics_and_plot(tmp_path):
-    out = tmp_path / "run"
-    assert main(["train", "--out", str(out), "--steps", "3", "--no-progress"]) == 0
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 3
-    records = [json.loads(line) for line in lines]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert all({"step", "reward_mean", "loss"} <= r.keys() for r in records)
-    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in records)
-    assert (out / "reward.png").stat().st_size > 1000
-    assert (out / "final" / "tokenizer.json").exists()
-    # the checkpoint loads back through --model
-    again = tmp_path / "again"
-    args = ["train", "--out", str(again), "--steps", "1", "--loss", "grpo", "--no-progress"]
-    assert main([*args, "--model", str(out / "final")]) == 0
-    assert len((again / "metrics.jsonl").read_text().splitlines()) == 1
 
 
 def test_pattern_task_reward():
@@ -157,6 +132,10 @@ def test_pattern_task_reward():
         (dict(divergence="kl2"), "divergence"),
         (dict(prompts_per_step=6, grad_accum=4), "grad_accum"),
         (dict(num_generations=0), "num_generations"),
+        (dict(num_generations=1), "num_generations"),
+        (dict(rollouts_per_step=12), "rollouts_per_step"),
+        (dict(eval_every=-1), "eval_every"),
+        (dict(reward_weights=[1.0, float("nan")]), "reward_weights"),
         (dict(lr=-1.0), "lr"),
         (dict(level="sequence", reduction="token_mean"), "reduction"),
     ],
@@ -170,3 +149,12 @@ def test_fhal_needs_preference_data():
     with pytest.raises(ValueError, match="^preference_data"):
         cfg = TrainConfig(loss="fhal")
         Trainer(tiny_model(0), tiny_tokenizer(), TASK.reward, TASK.prompts, cfg)
+
+
+def test_rollouts_per_step_fixes_the_completions_per_step():
+    cfg = TrainConfig(num_generations=2, rollouts_per_step=64)
+    assert cfg.prompts_per_step == 32
+    cfg = TrainConfig(num_generations=8, rollouts_per_step=64)
+    assert cfg.prompts_per_step == 8
+    rollout = Trainer(tiny_model(0), tiny_tokenizer(), TASK.reward, TASK.prompts, cfg).rollout()[0]
+    assert rollout.completion_ids.shape[0] == 64

@@ -112,6 +112,10 @@ def logprob_bwd(
         n1 = min(n0 + TOKEN_CHUNK, N)
         h = hidden[n0:n1].to(acc)
         y, gn, row_lse = targets[n0:n1], g[n0:n1], lse[n0:n1, None]
+        ignored = ~valid[n0:n1, None]
+        # NB: ignored rows of dz and of dW's hidden operand are set to 0, not multiplied by 0:
+        # a NaN or inf hidden state there must not reach the gradients (NaN·0 = NaN)
+        h_w = h.masked_fill(ignored, 0.0) if need_w else None
         for v0 in range(0, V, VOCAB_CHUNK):
             v1 = min(v0 + VOCAB_CHUNK, V)
             z = _logits_tile(h, weight, bias, v0, v1, inv_t)
@@ -125,12 +129,12 @@ def logprob_bwd(
             dz[rows, local[rows]] = -gn[rows] * torch.expm1(u[rows, local[rows]])
             if g_ent is not None:
                 # p·(z − lse + H) is 0 where p = 0 (a banned token's u is −inf)
-                dz -= g_ent[n0:n1, None] * torch.where(p > 0, p * (u + entropy[n0:n1, None]), 0.0)
-            dz.mul_(inv_t)
+                dz -= g_ent[n0:n1, None] * p * torch.where(p > 0, u + entropy[n0:n1, None], 0.0)
+            dz.masked_fill_(ignored, 0.0).mul_(inv_t)
             if need_h:
                 dh[n0:n1] += dz @ weight[v0:v1].to(acc)
             if need_w:
-                dw[v0:v1] += dz.T @ h
+                dw[v0:v1] += dz.T @ h_w
             if need_b:
                 db[v0:v1] += dz.sum(0)
     return (

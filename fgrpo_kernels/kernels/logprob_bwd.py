@@ -1,16 +1,21 @@
-"""Backward of the fused linear log-prob: dlogits per vocab wave, then vendor GEMMs.
+"""Backward of the fused linear log-prob: dlogits per [chunk, wave] tile, then vendor GEMMs.
 
 A fused kernel would need a [BLOCK_N, H] (or [BLOCK_V, H]) accumulator per program, which does
-not fit at H = 4096, or float atomics. Instead each wave of Vw vocab columns gets its dlogits
-strip [N, Vw] from `_logprob_bwd_kernel` (logits recomputed from the saved LSE), and then
-dH += strip @ W[wave], dW[wave] = strip^T @ hidden, db[wave] = Σ_n strip. No atomics, so the
-same inputs give bitwise the same gradients; extra memory ≤ max(N·H, SCRATCH_FLOOR) elements.
+not fit at H = 4096, or float atomics. Instead each tile of `chunk` tokens × `wave` vocab
+columns gets its dlogits strip from `_logprob_bwd_kernel` (logits recomputed from the saved
+LSE), and then dH[chunk] += strip @ W[wave], dW[wave] += strip^T @ hidden[chunk],
+db[wave] += Σ_n strip, all accumulated in fp32. No atomics, so the same inputs give bitwise the
+same gradients. Extra memory: a few buffers of ≤ configs.SCRATCH elements each, plus one fp32
+copy of dH or dW (the smaller) only when both axes take several tiles and that gradient is
+bf16/fp16 (`configs.backward_plan`).
+
+NB: the strip is stored scaled by a power of two 2^k chosen from max |g| (so that its largest
+entries sit near 2^9): an fp16 strip of a mean-style gradient (g ~ 1/(B·T)) would otherwise
+fall into fp16's subnormals. The GEMMs accumulate the scaled strip in fp32 and multiply by
+2^-k before the one rounding to the gradient's dtype: exact, so bf16/fp32 are unaffected.
 """
 
 from __future__ import annotations
-
-import functools
-from contextlib import contextmanager
 
 import torch
 import triton
@@ -18,7 +23,8 @@ import triton.language as tl
 
 from .. import distributed
 from ..options import LogProbOptions
-from . import configs
+from . import autotune, configs
+from .gemm import fp32_precision, gemm
 from .launch import check_dtypes, dot_flags, interpreted
 from .tl_math import tl_expm1
 from .tl_utils import tl_block_start, tl_local_index, tl_logits_tile
@@ -34,6 +40,7 @@ def _logprob_bwd_kernel(
     ent_ptr,
     g_ptr,
     g_ent_ptr,
+    scale_ptr,
     dz_ptr,
     N,
     V,
@@ -57,8 +64,9 @@ def _logprob_bwd_kernel(
     # For L = Σ_n g_n·logp_n + g_H,n·H_n and z = (h W^T + b)/τ, p = e^(z − lse):
     #   ∂logp/∂z_v = 1[v = y] − p_v,   ∂H/∂z_v = −p_v·(z_v − lse + H)
     #   dlogits = (g·(onehot − p) − g_H·p·(z − lse + H)) / τ
-    # written to the strip dz[n, v − v_begin] for v in [v_begin, v_end); g, g_H are zeroed on
-    # rows whose target is ignore_index.
+    # written, times the power of two *scale_ptr, to the strip dz[n, v − v_begin] for v in
+    # [v_begin, v_end); rows whose target is ignore_index are exactly 0, even where their hidden
+    # state is NaN or inf (tl.where, not a product with 0).
     pid = tl.program_id(0)
     n0 = tl_block_start(pid // n_vtiles, BLOCK_N)
     v0 = v_begin + tl_block_start(pid % n_vtiles, BLOCK_V)
@@ -67,7 +75,7 @@ def _logprob_bwd_kernel(
     mask_n = rows < (N - n0).to(tl.int32)
     y = tl.load(y_ptr + n0 + rows, mask=mask_n, other=ignore_index)
     valid = mask_n & (y != ignore_index)
-    g = tl.where(valid, tl.load(g_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32), 0.0)
+    g = tl.load(g_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + n0 + rows, mask=mask_n, other=0.0)
     z = tl_logits_tile(
         h_ptr, w_ptr, b_ptr, n0, v0, N, V, H, stride_hn, stride_wv, inv_t,
@@ -80,61 +88,67 @@ def _logprob_bwd_kernel(
     dz = -g[:, None] * tl.where(hit, tl_expm1(u), p)
     if HAS_GRAD_ENTROPY:
         g_ent = tl.load(g_ent_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
-        g_ent = tl.where(valid, g_ent, 0.0)
         ent = tl.load(ent_ptr + n0 + rows, mask=mask_n, other=0.0)
-        dz -= g_ent[:, None] * tl.where(p > 0.0, p * (u + ent[:, None]), 0.0)  # u = −inf: p = 0
+        dz -= g_ent[:, None] * p * tl.where(p > 0.0, u + ent[:, None], 0.0)  # u = −inf: p = 0
     dz_ptrs = dz_ptr + n0 * stride_dz + (v0 - v_begin) + (rows[:, None] * stride_dz + cols[None, :])
     mask = mask_n[:, None] & (cols < (v_end - v0).to(tl.int32))[None, :]
-    tl.store(dz_ptrs, (dz * inv_t).to(dz_ptr.dtype.element_ty), mask=mask)
+    dz = tl.where(valid[:, None], dz * (inv_t * tl.load(scale_ptr)), 0.0)
+    tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
-@contextmanager
-def _fp32_matmul(device: torch.device, fast_fp32: bool):
-    """cuBLAS fp32 GEMMs in full IEEE fp32 (TF32 only with fast_fp32), whatever the global flag."""
-    if device.type != "cuda":
-        yield
-        return
-    flags = torch.backends.cuda.matmul
-    saved = flags.fp32_precision
-    flags.fp32_precision = "tf32" if fast_fp32 else "ieee"
-    try:
-        yield
-    finally:
-        flags.fp32_precision = saved
+# the strip's largest entries land in [2^8, 2^9) × (at most ~23: |∂H/∂z| ≤ 1/e + log V)
+STRIP_EXP = 9
+# 2^±126: the largest shift whose power of two and inverse are both normal fp32
+MAX_SHIFT = 126
 
 
-@functools.cache
-def _has_out_dtype_mm(device: torch.device) -> bool:
-    """Whether torch.mm/addmm take out_dtype=float32 for bf16 operands here (recent torch, CUDA)."""
-    a = torch.zeros(16, 16, dtype=torch.bfloat16, device=device)
-    try:
-        torch.addmm(torch.zeros(16, 16, device=device), a, a, torch.float32)
-        return True
-    except (TypeError, RuntimeError):
-        return False
+def strip_scale(valid, g, g_ent, inv_t: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2^k, 2^-k) as 0-d fp32 device tensors, 2^k·max|g|/τ ∈ [2^8, 2^9) over valid rows (k = 0
+    when every g is 0). Built from the exponent bits: exact, and no host sync."""
+    mag = torch.where(valid, g.abs(), 0.0).amax()
+    if g_ent is not None:
+        mag = torch.maximum(mag, torch.where(valid, g_ent.abs(), 0.0).amax())
+    _, exp = torch.frexp(mag.float() * inv_t)
+    k = torch.where(mag > 0, STRIP_EXP - exp, 0).clamp(-MAX_SHIFT, MAX_SHIFT).to(torch.int32)
+    return ((k + 127) << 23).view(torch.float32), ((127 - k) << 23).view(torch.float32)
 
 
-def _gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """out (+)= a @ b, products accumulated in fp32; a and b share a dtype."""
-    if a.dtype == out.dtype:
-        if accumulate:
-            torch.addmm(out, a, b, out=out)
-        else:
-            torch.mm(a, b, out=out)
-    elif a.is_cuda and out.dtype == torch.float32 and _has_out_dtype_mm(a.device):
-        # bf16/fp16 operands straight into an fp32 output (cuBLAS's out_dtype overloads)
-        if accumulate:
-            torch.addmm(out, a, b, torch.float32, out=out)
-        else:
-            torch.mm(a, b, torch.float32, out=out)
-    else:
-        # CPU (interpreter) or older-torch low-precision operands, or fp32 operands into a
-        # bf16/fp16 output: exact upcast, fp32 products, one rounding at the end
-        prod = torch.mm(a.float(), b.float())
-        if accumulate:
-            out.add_(prod)
-        else:
-            out.copy_(prod)
+class _Accumulator:
+    """fp32 accumulation of one gradient `out` [R, H] in blocks of rows (N-chunks of dH, waves
+    of dW): into `out` itself when fp32, else a block buffer reused block after block, else
+    (`full`) one fp32 copy; a finished block is unscaled and written to `out` in place."""
+
+    def __init__(self, out: torch.Tensor, block: int, full: bool, inv_scale: torch.Tensor):
+        self.out, self.inv_scale = out, inv_scale
+        self.direct = out.dtype == torch.float32
+        rows = 0 if self.direct else out.shape[0] if full else block
+        self.buf = torch.empty(rows, out.shape[1], dtype=torch.float32, device=out.device)
+        self.full = full
+
+    def view(self, r0: int, r1: int) -> torch.Tensor:
+        if self.direct:
+            return self.out[r0:r1]
+        return self.buf[r0:r1] if self.full else self.buf[: r1 - r0]
+
+    def finish(self, r0: int, r1: int) -> None:
+        acc = self.view(r0, r1).mul_(self.inv_scale)
+        if not self.direct:
+            self.out[r0:r1].copy_(acc)
+
+
+class _Operand:
+    """The last-used slice of an operand, converted or masked into a reused buffer."""
+
+    def __init__(self, make, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
+        self.make, self.key, self.value = make, None, None
+        self.buf = torch.empty(rows * cols, dtype=dtype, device=device)
+        self.cols = cols
+
+    def get(self, r0: int, r1: int) -> torch.Tensor:
+        if self.key != (r0, r1):
+            self.key = (r0, r1)
+            self.value = self.make(r0, r1, self.buf[: (r1 - r0) * self.cols].view(r1 - r0, -1))
+        return self.value
 
 
 def logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
@@ -154,43 +168,86 @@ def logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_ent
     N, H = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
-    dh = torch.zeros(N, H, dtype=torch.float32, device=dev) if need_h else None
-    alloc = torch.empty if N else torch.zeros  # every wave writes its rows of dW
+    alloc = torch.empty if N else torch.zeros  # every tile writes its rows
+    dh = alloc(N, H, dtype=hidden.dtype, device=dev) if need_h else None
     dw = alloc(V, H, dtype=weight.dtype, device=dev) if need_w else None
-    db = torch.zeros(V, dtype=torch.float32, device=dev) if need_b else None
-    if N > 0:
-        g = torch.zeros(N, device=dev) if grad_logp is None else grad_logp.contiguous()
-        has_g_ent = grad_entropy is not None
-        g_ent = grad_entropy.contiguous() if has_g_ent else None
-        ent = entropy if has_g_ent else None
-        upcast, dot_precision = dot_flags(_logprob_bwd_kernel, hidden.dtype, opts.fast_fp32)
-        cfg = configs.kernel_config(
-            "bwd", hidden.dtype, weight.dtype, opts.fast_fp32, interpreted(_logprob_bwd_kernel)
-        )
-        wave = configs.wave_width(N, H, V, cfg, mixed=weight.dtype != hidden.dtype)
-        scratch = torch.empty(N * wave, dtype=hidden.dtype, device=dev)
-        with _fp32_matmul(dev, opts.fast_fp32):
-            for v0 in range(0, V, wave):
-                v1 = min(v0 + wave, V)
-                strip = scratch[: N * (v1 - v0)].view(N, v1 - v0)
-                n_vtiles = triton.cdiv(v1 - v0, cfg.block_v)
-                _logprob_bwd_kernel[(triton.cdiv(N, cfg.block_n) * n_vtiles,)](
-                    hidden, weight, bias, targets, lse, ent, g, g_ent, strip,
-                    N, V, H, hidden.stride(0), weight.stride(0), strip.stride(0),
-                    v0, v1, n_vtiles, 1.0 / opts.temperature, opts.ignore_index,
-                    HAS_BIAS=bias is not None, HAS_GRAD_ENTROPY=has_g_ent,
-                    BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
-                    UPCAST_DOT=upcast, DOT_PRECISION=dot_precision,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                )  # fmt: skip
-                if need_h:
-                    _gemm(dh, strip, weight[v0:v1].to(hidden.dtype), accumulate=True)
-                if need_w:
-                    _gemm(dw[v0:v1], strip.T, hidden, accumulate=False)
-                if need_b:
-                    db[v0:v1] = strip.sum(0, dtype=torch.float32)
-    return (
-        None if dh is None else dh.to(hidden.dtype),
-        dw,
-        None if db is None else db.to(bias.dtype),
-    )
+    if N == 0:
+        db = torch.zeros(V, dtype=bias.dtype, device=dev) if need_b else None
+        return dh, dw, db
+    db = torch.empty(V, dtype=torch.float32, device=dev) if need_b else None
+    inv_t = 1.0 / opts.temperature
+    valid = targets != opts.ignore_index
+    g = torch.zeros(N, device=dev) if grad_logp is None else grad_logp.contiguous()
+    g_ent = None if grad_entropy is None else grad_entropy.contiguous()
+    ent = entropy if g_ent is not None else None
+    scale, inv_scale = strip_scale(valid, g, g_ent, inv_t)
+    kernel = _logprob_bwd_kernel
+    upcast, dot_precision = dot_flags(kernel, hidden.dtype, opts.fast_fp32)
+    cands = configs.candidates("bwd", hidden.dtype, weight.dtype, opts.fast_fp32,
+                               interpreted(kernel))  # fmt: skip
+    plan = configs.backward_plan(
+        N, H, V, max(c.block_n for c in cands), max(c.block_v for c in cands),
+        fp32_dh=need_h and hidden.dtype != torch.float32,
+        fp32_dw=need_w and weight.dtype != torch.float32,
+    )  # fmt: skip
+    strip_buf = torch.empty(plan.chunk * plan.wave, dtype=hidden.dtype, device=dev)
+
+    def strip_of(n0, n1, v0, v1):
+        return strip_buf[: (n1 - n0) * (v1 - v0)].view(n1 - n0, v1 - v0)
+
+    def launch(cfg, n0, n1, v0, v1):
+        strip = strip_of(n0, n1, v0, v1)
+        n_vtiles = triton.cdiv(v1 - v0, cfg.block_v)
+        kernel[(triton.cdiv(n1 - n0, cfg.block_n) * n_vtiles,)](
+            hidden[n0:n1], weight, bias, targets[n0:n1], lse[n0:n1],
+            None if ent is None else ent[n0:n1], g[n0:n1],
+            None if g_ent is None else g_ent[n0:n1], scale, strip,
+            n1 - n0, V, H, hidden.stride(0), weight.stride(0), strip.stride(0),
+            v0, v1, n_vtiles, inv_t, opts.ignore_index,
+            HAS_BIAS=bias is not None, HAS_GRAD_ENTROPY=g_ent is not None,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+            UPCAST_DOT=upcast, DOT_PRECISION=dot_precision,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return strip
+
+    first = (0, plan.chunk, 0, plan.wave)
+    shape = tuple(map(autotune.bucket, (plan.chunk, plan.wave, H)))
+    key = ("bwd", hidden.dtype, weight.dtype, opts.fast_fp32, bias is not None,
+           g_ent is not None, shape, dev.index)  # fmt: skip
+    cfg = autotune.choose(key, cands, lambda c: launch(c, *first), tune=dev.type == "cuda")
+
+    dh_acc = _Accumulator(dh, plan.chunk, plan.full_dh(N, V), inv_scale) if need_h else None
+    dw_acc = _Accumulator(dw, plan.wave, plan.full_dw(N, V), inv_scale) if need_w else None
+    w_wave = h_chunk = None
+    if need_h and weight.dtype != hidden.dtype:
+        w_wave = _Operand(lambda v0, v1, buf: buf.copy_(weight[v0:v1]), plan.wave, H,
+                          hidden.dtype, dev)  # fmt: skip
+    if need_w:
+        # NB: ignored rows masked to 0, not just met by the strip's zero rows: NaN·0 poisons dW
+        zero = hidden.new_zeros(())
+        h_chunk = _Operand(
+            lambda n0, n1, buf: torch.where(valid[n0:n1, None], hidden[n0:n1], zero, out=buf),
+            plan.chunk, H, hidden.dtype, dev,
+        )  # fmt: skip
+    with fp32_precision(dev, hidden.dtype, opts.fast_fp32):
+        for n0, n1, v0, v1 in plan.tiles(N, V):
+            strip = launch(cfg, n0, n1, v0, v1)
+            if need_h:
+                w = weight[v0:v1] if w_wave is None else w_wave.get(v0, v1)
+                gemm(dh_acc.view(n0, n1), strip, w, accumulate=v0 > 0)
+                if v1 == V:
+                    dh_acc.finish(n0, n1)
+            if need_w:
+                gemm(dw_acc.view(v0, v1), strip.T, h_chunk.get(n0, n1), accumulate=n0 > 0)
+                if n1 == N:
+                    dw_acc.finish(v0, v1)
+            if need_b:
+                part = strip.sum(0, dtype=torch.float32)
+                if n0 > 0:
+                    db[v0:v1] += part
+                else:
+                    db[v0:v1] = part
+    if need_b:
+        db = db.mul_(inv_scale).to(bias.dtype)
+    return dh, dw, db

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .. import distributed
 from ..options import LogProbOptions
-from . import configs
+from . import autotune, configs
 from .launch import check_dtypes, dot_flags, interpreted
 from .tl_utils import tl_block_start, tl_local_index, tl_logits_tile
 
@@ -67,14 +67,15 @@ def _logprob_fwd_kernel(
         z_y += tl.sum(tl.where(hit, z, 0.0), axis=1)
         m_new = tl.maximum(m, tl.max(z, axis=1))
         # NB: banned tokens (−inf logits) have p = 0 and add nothing: a tile of them leaves m
-        # at −inf (shifted by 0, not by −inf), and e·u counts only where e > 0.
+        # at −inf (shifted by 0, not by −inf), and u is zeroed where e = 0 before e·u (no 0·∞,
+        # also in the padded columns past V).
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         scale = tl.exp(m - m_ref)
         u = z - m_ref[:, None]
         e = tl.exp(u)
         if HAS_ENTROPY:
             shift = tl.where(m == float("-inf"), 0.0, m - m_new)
-            t = scale * (t + shift * s) + tl.sum(tl.where(e > 0.0, e * u, 0.0), axis=1)
+            t = scale * (t + shift * s) + tl.sum(e * tl.where(e > 0.0, u, 0.0), axis=1)
         s = scale * s + tl.sum(e, axis=1)
         m = m_new
     row = split.to(tl.int64) * N + n0 + rows
@@ -113,21 +114,28 @@ def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entr
         empty = torch.zeros(0, dtype=torch.float32, device=dev)
         return empty, empty.clone(), empty.clone() if return_entropy else None
     upcast, dot_precision = dot_flags(_logprob_fwd_kernel, hidden.dtype, opts.fast_fp32)
-    cfg = configs.kernel_config(
-        "fwd", hidden.dtype, weight.dtype, opts.fast_fp32, interpreted(_logprob_fwd_kernel)
-    )
-    n_splits, per_split = configs.vocab_splits(N, V, cfg, dev)
-    # t's row is unused (and unwritten) without entropy; 4·S·N floats either way.
-    part = torch.empty(4, n_splits, N, dtype=torch.float32, device=dev)
-    grid = (n_splits * triton.cdiv(N, cfg.block_n),)
-    _logprob_fwd_kernel[grid](
-        hidden, weight, bias, targets, *part.unbind(0), N, V, H, hidden.stride(0), weight.stride(0),
-        1.0 / opts.temperature, n_splits, per_split,
-        HAS_BIAS=bias is not None, HAS_ENTROPY=return_entropy,
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
-        UPCAST_DOT=upcast, DOT_PRECISION=dot_precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+
+    def run(cfg: configs.KernelConfig) -> torch.Tensor:
+        n_splits, per_split = configs.vocab_splits(N, V, cfg, dev)
+        # t's row is unused (and unwritten) without entropy; 4·S·N floats either way.
+        part = torch.empty(4, n_splits, N, dtype=torch.float32, device=dev)
+        grid = (n_splits * triton.cdiv(N, cfg.block_n),)
+        _logprob_fwd_kernel[grid](
+            hidden, weight, bias, targets, *part.unbind(0), N, V, H, hidden.stride(0),
+            weight.stride(0), 1.0 / opts.temperature, n_splits, per_split,
+            HAS_BIAS=bias is not None, HAS_ENTROPY=return_entropy,
+            BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
+            UPCAST_DOT=upcast, DOT_PRECISION=dot_precision,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return part
+
+    cands = configs.candidates("fwd", hidden.dtype, weight.dtype, opts.fast_fp32,
+                               interpreted(_logprob_fwd_kernel))  # fmt: skip
+    shape = tuple(map(autotune.bucket, (N, V, H)))
+    key = ("fwd", hidden.dtype, weight.dtype, opts.fast_fp32, bias is not None, return_entropy,
+           shape, dev.index)  # fmt: skip
+    part = run(autotune.choose(key, cands, run, tune=dev.type == "cuda"))
     lse, z_y, entropy = combine_partials(part, return_entropy)
     valid = targets != opts.ignore_index
     logp = torch.where(valid, z_y - lse, 0.0)

@@ -1,151 +1,227 @@
-"""`fgrpo train`: RL of a causal LM on the built-in pattern task, with a fused loss.
+"""`fgrpo train`: RL of a causal LM with a fused GRPO-family loss, on your prompts and rewards
+or on the built-in digit task.
 
-With only `--out DIR` it builds the embedded tiny Llama (no download), trains it from scratch
-on the CPU and writes DIR/metrics.jsonl, DIR/reward.png, DIR/train_config.json and the
-save_pretrained checkpoint DIR/final. `--model PATH` trains a local Hugging Face checkpoint
-(with its tokenizer) on the same task instead.
+With only `--out DIR` it builds the embedded tiny Llama (no download) and trains it from
+scratch on the CPU. `--model PATH` trains a Hugging Face checkpoint, `--prompts FILE` your
+prompts, `--reward` your reward functions. DIR receives metrics.jsonl, training.png,
+summary.json, checkpoint-N/ (every --save-every steps) and final/; `--resume` continues the run
+in DIR from its last checkpoint. User errors are one line, found before the model is loaded;
+Ctrl-C finishes the step and writes final/, the summary and the plots (exit 130).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 from ..divergences import NAMES as DIVERGENCES
 from ..options import LEVELS, LOSS_TYPES
-from .config import LOSSES, TrainConfig
+from . import run_dir
+from .config import LOSSES, SCHEDULERS, TrainConfig
+
+PROG = "fgrpo train"
+DEFAULTS = {f.name: f.default for f in fields(TrainConfig)} | {
+    "out": None, "resume": False, "overwrite": False, "model": None,
+    "lora_r": 0, "lora_alpha": None, "lora_target": "all-linear",
+    "prompts": None, "prompt_column": "prompt", "answer_column": "answer",
+    "eval_prompts": None, "eval_size": 0.1, "reward": None, "preferences": None,
+    "task_steps": "19", "threads": 1, "no_progress": False, "device": "auto",
+}  # fmt: skip
+# what a resumed run may change; every other option must equal the run's own
+RESUMABLE = {
+    "out", "resume", "steps", "save_every", "eval_every", "threads", "no_progress", "device",
+}  # fmt: skip
+PATHS = ("prompts", "eval_prompts", "preferences")
+FLAGS: set[str] = set()  # the options' dest names, filled by add_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    a = parser.add_argument
-    a("--out", required=True, metavar="DIR", help="output directory")
-    a("--model", metavar="PATH", help="local HF checkpoint (default: the embedded tiny model)")
-    a("--loss", choices=LOSSES, default="fgrpo", help="loss family (default: fgrpo)")
-    a("--divergence", choices=DIVERGENCES, default="pearson", help="f-GRPO / f-HAL divergence")
-    a("--level", choices=LEVELS, default="token", help="f-GRPO level")
-    a("--loss-type", choices=LOSS_TYPES, default="dapo", help="GRPO-family normalisation")
-    a("--beta", type=float, help="beta (default: fgrpo/fhal 0.1, grpo 0.04, gift 1.0)")
-    a("--num-generations", type=int, default=8, metavar="G", help="completions per prompt")
-    a("--prompts-per-step", type=int, default=16, help="prompts per rollout")
-    a("--steps", type=int, default=300, help="rollouts (default: 300)")
-    a("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    a("--temperature", type=float, default=1.0, help="sampling temperature")
-    a("--max-new-tokens", type=int, default=2, help="completion length limit")
-    a("--grad-accum", type=int, default=1, help="micro-batches per update")
-    a("--num-updates", type=int, default=1, help="optimizer updates per rollout")
-    a("--max-grad-norm", type=float, default=1.0, help="gradient clipping (<= 0: off)")
-    a("--scheduler", choices=("constant", "linear", "cosine"), default="constant")
-    a("--save-every", type=int, default=0, help="checkpoint every N steps (0: final only)")
-    a("--seed", type=int, default=0)
-    a("--task-steps", default="19", help="digit steps of the progressions (default: 19)")
-    a("--threads", type=int, default=1, help="torch CPU threads (default: 1; tiny ops)")
+    """Every option, its default in its help; values are absent unless given (SUPPRESS), so
+    that `--resume` can tell what the command line asks to change."""
+    a = _adder(parser.add_argument_group("run folder"))
+    a("--out", required=True, metavar="DIR", help="run folder", shown="required")
+    a("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    a("--overwrite", action="store_true", help="replace the run in a non-empty --out")
+    a("--save-every", type=int, metavar="N", help="checkpoint every N steps; 0: final/ only")
     a("--no-progress", action="store_true", help="no progress bar")
+    a = _adder(parser.add_argument_group("model"))
+    a("--model", metavar="PATH", help="HF checkpoint folder or Hub id", shown="the tiny model")
+    a("--device", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
+    a("--lora-r", type=int, metavar="R", help="train a LoRA adapter of rank R (PEFT); 0: off")
+    a("--lora-alpha", type=float, help="LoRA alpha", shown="2 x --lora-r")
+    a("--lora-target", help="LoRA target modules, comma-separated")
+    a = _adder(parser.add_argument_group("data and rewards"))
+    a("--prompts", metavar="FILE", help=".jsonl/.csv or datasets folder", shown="digit task")
+    a("--prompt-column", metavar="NAME", help="the prompt column of --prompts")
+    a("--answer-column", metavar="NAME", help="the column exact_match and numeric compare to")
+    a("--reward", action="append", metavar="SPEC", shown="pattern; exact_match with --prompts",
+      help="repeatable: exact_match, numeric, regex:PATTERN, pattern, or module:function / "
+      "file.py:function with TRL's signature f(prompts, completions, **kwargs)")  # fmt: skip
+    a("--reward-weights", type=float, nargs="+", metavar="W", help="one per --reward",
+      shown="1 each")  # fmt: skip
+    a("--eval-every", type=int, metavar="N", help="held-out reward and pass rate every N steps")
+    a("--eval-prompts", metavar="FILE", help="held-out prompts",
+      shown="a split of --prompts, or its datasets test split")  # fmt: skip
+    a("--eval-size", type=float, help="rows of --prompts held out (fraction or count)")
+    a("--eval-temperature", type=float, help="held-out sampling temperature; 0: greedy")
+    a("--pass-threshold", type=float, help="a held-out completion passes at this total reward")
+    a("--chance-samples", type=int, help="random-token completions for the chance level")
+    a("--preferences", metavar="FILE", help="f-HAL pairs (prompt, chosen, rejected)",
+      shown="the digit task's")  # fmt: skip
+    a("--task-steps", help="digit steps of the built-in task's progressions")
+    a = _adder(parser.add_argument_group("loss and optimisation"))
+    a("--loss", choices=LOSSES, help="loss family")
+    a("--divergence", choices=DIVERGENCES, help="f-GRPO / f-HAL divergence")
+    a("--level", choices=LEVELS, help="f-GRPO / f-HAL level")
+    a("--loss-type", choices=LOSS_TYPES, help="GRPO-family normalisation")
+    a("--beta", type=float, help="beta", shown="fgrpo/fhal 0.1, grpo 0.04, gift 1.0")
+    a("--num-generations", type=int, metavar="G", help="completions per prompt (>= 2)")
+    a("--prompts-per-step", type=int, help="prompts per rollout")
+    a("--rollouts-per-step", type=int, metavar="R", help="completions per rollout; sets "
+      "--prompts-per-step to R / G", shown="G x --prompts-per-step")  # fmt: skip
+    a("--steps", type=int, help="rollouts in the whole run")
+    a("--lr", type=float, help="AdamW learning rate")
+    a("--scheduler", choices=SCHEDULERS, help="learning-rate schedule over --steps")
+    a("--warmup-steps", type=int, help="linear warm-up updates")
+    a("--temperature", type=float, help="sampling temperature")
+    a("--max-new-tokens", type=int, help="completion length limit")
+    a("--grad-accum", type=int, help="micro-batches per update")
+    a("--num-updates", type=int, help="optimizer updates per rollout")
+    a("--max-grad-norm", type=float, help="gradient clipping; <= 0: off")
+    a("--seed", type=int, help="seed of every random stream")
+    a("--threads", type=int, help="torch CPU threads")
 
 
-def load(path: str | None, seed: int):
-    """(model, tokenizer): a local checkpoint, or the embedded tiny model."""
-    if path is None:
-        from .tiny import tiny_model, tiny_tokenizer
+def _adder(group):
+    def add(*flags, help, shown=None, **kw):
+        dest = flags[0].lstrip("-").replace("-", "_")
+        FLAGS.add(dest)
+        if kw.get("action") != "store_true":
+            help += f" (default: {shown if shown is not None else DEFAULTS[dest]})"
+        group.add_argument(*flags, help=help, default=argparse.SUPPRESS, **kw)
 
-        return tiny_model(seed), tiny_tokenizer()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return add
 
 
-def fifths(history: list[dict]) -> tuple[float, float]:
-    """Mean reward of the first and of the last fifth of the steps."""
-    n = max(len(history) // 5, 1)
-    rewards = [r["reward_mean"] for r in history]
-    return sum(rewards[:n]) / n, sum(rewards[-n:]) / n
+def resolve_options(explicit: dict) -> dict:
+    """Every option's value: the defaults, under the run's own options when resuming, under
+    what the command line gives. A resumed run refuses changes outside RESUMABLE."""
+    explicit = {k: _normal(k, v) for k, v in explicit.items()}
+    out = Path(explicit["out"])
+    run_dir.check_out_dir(out, explicit.get("resume", False), explicit.get("overwrite", False))
+    if "prompts_per_step" in explicit and "rollouts_per_step" in explicit:
+        raise ValueError("rollouts_per_step: give it or --prompts-per-step, not both")
+    if not explicit.get("resume"):
+        return DEFAULTS | explicit
+    saved = run_dir.read_json(out / "run.json")["options"]
+    for key, value in explicit.items():
+        if key not in RESUMABLE and value != saved.get(key, DEFAULTS.get(key)):
+            raise ValueError(
+                f"{key}: the run in {str(out)!r} was started with {saved.get(key)!r}; --resume "
+                f"continues it unchanged (got {value!r}; start a new --out to change it)"
+            )
+    return DEFAULTS | saved | explicit
 
 
-def plot_rewards(history: list[dict], path: Path, title: str) -> None:
-    import matplotlib
+def _normal(key: str, value):
+    if key in PATHS or key == "out":
+        return str(Path(value).expanduser().resolve())
+    if key == "model" and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in history]
-    rewards = [r["reward_mean"] for r in history]
-    k = max(len(rewards) // 20, 1)
-    windows = [rewards[max(0, i - k + 1) : i + 1] for i in range(len(rewards))]
-    smooth = [sum(w) / len(w) for w in windows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, rewards, alpha=0.35, label="reward (mean of the rollout)")
-    ax.plot(steps, smooth, label=f"moving mean ({k} steps)")
-    ax.set(xlabel="step", ylabel="reward", ylim=(-0.02, 1.02), title=title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def make_config(opts: dict) -> TrainConfig:
+    names = {f.name for f in fields(TrainConfig)}
+    kwargs = {k: v for k, v in opts.items() if k in names}
+    kwargs.update(out_dir=opts["out"], progress=not opts["no_progress"])
+    if opts["max_grad_norm"] is not None and opts["max_grad_norm"] <= 0:
+        kwargs["max_grad_norm"] = None
+    for key in ("threads", "lora_r"):
+        if not isinstance(opts[key], int) or opts[key] < (1 if key == "threads" else 0):
+            raise ValueError(f"{key}: expected an int >= {int(key == 'threads')}; got {opts[key]}")
+    if not opts["task_steps"].isdigit():
+        raise ValueError(f"task_steps: expected digits such as 19; got {opts['task_steps']!r}")
+    return TrainConfig(**kwargs)
+
+
+def loss_name(cfg: TrainConfig) -> str:
+    name = cfg.loss + (f" {cfg.divergence}" if cfg.loss in ("fgrpo", "fhal") else "")
+    name += f" {cfg.loss_type}" if cfg.loss == "grpo" else ""
+    name += f" {cfg.level}-level" if cfg.loss in ("fgrpo", "fhal") and cfg.level != "token" else ""
+    return name
+
+
+def fail(error: Exception) -> int:
+    """One line on stderr; a message that starts with an option's name shows its flag."""
+    name, sep, rest = str(error).partition(": ")
+    message = f"--{name.replace('_', '-')}: {rest}" if sep and name in FLAGS else str(error)
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(vars(args))
+    except KeyboardInterrupt:
+        print(f"{PROG}: stopped at once (the last complete checkpoint is kept)", file=sys.stderr)
+        return 130
+
+
+def _run(explicit: dict) -> int:
+    from . import preflight
+    from .rewards import RewardError
+
+    try:
+        opts = resolve_options(explicit)
+        cfg = make_config(opts)
+        preflight.check_packages(opts)
+        device = preflight.device(opts["device"])
+        source = preflight.model_source(opts["model"])
+        tokenizer = preflight.check_model(source) if source is not None else None
+        plan = preflight.load_data(opts)
+        checkpoint = run_dir.latest_checkpoint(opts["out"]) if opts["resume"] else None
+        if checkpoint is not None and run_dir.checkpoint_step(checkpoint) >= cfg.steps:
+            raise ValueError(
+                f"steps: the run in {opts['out']!r} has done {run_dir.checkpoint_step(checkpoint)} "
+                f"steps; pass --steps N with more than that to continue it"
+            )
+    except (ValueError, TypeError) as e:
+        return fail(e)
     import torch
 
-    from .loop import Trainer
-    from .task import PatternTask
+    from . import loading
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(opts["threads"])
     try:
         from transformers.utils import logging
 
         logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover
+    except ImportError:  # pragma: no cover - checked above
         pass
-    cfg = TrainConfig(
-        out_dir=args.out,
-        loss=args.loss,
-        divergence=args.divergence,
-        level=args.level,
-        loss_type=args.loss_type,
-        beta=args.beta,
-        num_generations=args.num_generations,
-        prompts_per_step=args.prompts_per_step,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        steps=args.steps,
-        lr=args.lr,
-        scheduler=args.scheduler,
-        grad_accum=args.grad_accum,
-        num_updates=args.num_updates,
-        max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else None,
-        save_every=args.save_every,
-        seed=args.seed,
-        progress=not args.no_progress,
+
+    try:
+        trainer = loading.build_trainer(opts, cfg, plan, source, tokenizer, checkpoint, device)
+    except (ValueError, OSError) as e:
+        return fail(e)
+    out = Path(opts["out"])
+    if opts["overwrite"]:
+        run_dir.clear_run(out)
+    run_dir.write_json(out / "run.json", {"options": opts})  # on resume: the new --steps etc.
+    from .finish import finish
+    from .signals import GracefulStop
+
+    message = (
+        "finishing this step, then writing final/, summary.json, training.png; again: stop now"
     )
-    task = PatternTask(steps=tuple(int(c) for c in args.task_steps))
-    model, tokenizer = load(args.model, args.seed)
-    trainer = Trainer(
-        model, tokenizer, task.reward, task.prompts, cfg, preference_data=task.preference_pairs
-    )
-    start = time.perf_counter()
-    history = trainer.train()
-    wall = time.perf_counter() - start
-    out = Path(args.out)
-    name = cfg.loss + (f" {cfg.divergence}" if cfg.loss in ("fgrpo", "fhal") else "")
-    name += f" {cfg.loss_type}" if cfg.loss == "grpo" else ""
-    name += f" {cfg.level}-level" if cfg.loss in ("fgrpo", "fhal") and cfg.level != "token" else ""
-    plot_rewards(history, out / "reward.png", f"fgrpo train: {name}")
-    first, last = fifths(history)
-    summary = {
-        "loss": name,
-        "steps": len(history),
-        "wall_s": round(wall, 1),
-        "reward_first_fifth": round(first, 4),
-        "reward_last_fifth": round(last, 4),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(
-        f"{name}: {len(history)} steps in {wall:.0f} s; mean reward first fifth {first:.3f}, "
-        f"last fifth {last:.3f} (+{last - first:.3f}); wrote {out / 'metrics.jsonl'}, "
-        f"{out / 'reward.png'}, {out / 'final'}"
-    )
-    return 0
+    with GracefulStop(trainer.request_stop, message) as stop:
+        start = time.perf_counter()
+        try:
+            history = trainer.train()
+        except RewardError as e:
+            return fail(e)
+        finish(trainer, history, time.perf_counter() - start, loss_name(cfg), stop.signalled)
+    return 130 if stop.signalled else 0

@@ -23,8 +23,9 @@ REFERENCES = ("auto", "copy", "adapter")
 class TrainConfig:
     """Everything the loop needs. `beta=None` takes the loss's usual value (DEFAULT_BETA).
 
-    One step = one rollout of `prompts_per_step` prompts × `num_generations` completions,
-    then `num_updates` optimizer updates on it, each accumulating gradients over `grad_accum`
+    One step = one rollout of `prompts_per_step` prompts × `num_generations` completions
+    (`rollouts_per_step`, when set, fixes that product: prompts_per_step = it / G), then
+    `num_updates` optimizer updates on it, each accumulating gradients over `grad_accum`
     micro-batches of whole groups. With `num_updates > 1` the GRPO family clips the ratio to
     the rollout's (old) log-probs; f-GRPO, GIFT and f-HAL have no ratio and simply take more
     steps on the same samples.
@@ -51,6 +52,7 @@ class TrainConfig:
     # sampling
     num_generations: int = 8
     prompts_per_step: int = 16
+    rollouts_per_step: int | None = None
     max_new_tokens: int = 2
     temperature: float = 1.0
     # optimisation
@@ -63,6 +65,12 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     num_updates: int = 1
     reference: str = "auto"
+    # rewards and evaluation
+    reward_weights: list[float] | None = None
+    eval_every: int = 0
+    eval_temperature: float = 0.0
+    pass_threshold: float = 1.0
+    chance_samples: int = 256
     # bookkeeping
     seed: int = 0
     save_every: int = 0
@@ -81,12 +89,29 @@ class TrainConfig:
             check.positive_int(name, getattr(self, name))
         for name in ("grad_accum", "num_updates", "pref_batch_size"):
             check.positive_int(name, getattr(self, name))
-        for name in ("warmup_steps", "save_every"):
+        if self.num_generations < 2:
+            raise ValueError(
+                f"num_generations: expected an int >= 2 (advantages compare the completions of "
+                f"one prompt; a group of one learns nothing); got {self.num_generations}"
+            )
+        if self.rollouts_per_step is not None:
+            check.positive_int("rollouts_per_step", self.rollouts_per_step)
+            if self.rollouts_per_step % self.num_generations:
+                raise ValueError(
+                    f"rollouts_per_step: expected a multiple of num_generations="
+                    f"{self.num_generations}; got {self.rollouts_per_step}"
+                )
+            self.prompts_per_step = self.rollouts_per_step // self.num_generations
+        for name in ("warmup_steps", "save_every", "eval_every", "chance_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected an int >= 0; got {getattr(self, name)!r}")
         check.positive("lr", self.lr)
         check.positive("temperature", self.temperature)
         check.positive("weight_decay", self.weight_decay, allow_zero=True)
+        check.positive("eval_temperature", self.eval_temperature, allow_zero=True)
+        check.real("pass_threshold", self.pass_threshold)
+        if self.reward_weights is not None:
+            self.reward_weights = [check.real("reward_weights", w) for w in self.reward_weights]
         if self.prompts_per_step % self.grad_accum:
             raise ValueError(
                 f"grad_accum: expected a divisor of prompts_per_step={self.prompts_per_step} "

@@ -26,14 +26,25 @@ def is_peft(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
+def check_head_config(config) -> None:
+    """Refuse output layers that are not a plain linear (+ bias): the fused loss is exactly
+    log_softmax(h W^T + b), so soft-capped or scaled logits would be trained wrongly."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap not in (None, 0.0):
+        raise ValueError(
+            f"model: final_logit_softcapping={cap} ({getattr(config, 'model_type', '?')}) is not "
+            f"supported by the fused loss, which needs a plain linear lm_head"
+        )
+    scale = getattr(config, "logit_scale", None)
+    if scale not in (None, 1.0):
+        raise ValueError(f"model: logit_scale={scale} is not supported by the fused loss")
+
+
 def lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [V, H], bias [V] | None) of the output layer, which must be a plain linear."""
     lm = causal_lm(model)
-    config = lm.config.get_text_config()
-    if getattr(config, "final_logit_softcapping", None) not in (None, 0.0):
-        raise ValueError("model: final_logit_softcapping is not supported by the fused loss")
-    if getattr(config, "logit_scale", None) not in (None, 1.0):
-        raise ValueError("model: a logit_scale other than 1 is not supported by the fused loss")
+    check_head_config(lm.config)
     head = lm.get_output_embeddings()
     if hasattr(head, "base_layer"):
         raise ValueError(
@@ -69,6 +80,24 @@ class Batch:
         return type(self)(**{f.name: _take(getattr(self, f.name), sl) for f in fields(self)})
 
 
+@dataclass
+class Rollout(Batch):
+    """A sampled batch with its rewards [B], advantages [B] and fixed log-probs [B, T]."""
+
+    rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+
+
+@dataclass
+class Preferences(Batch):
+    """Preference rows, chosen and rejected interleaved; chosen [B] bool."""
+
+    chosen: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+
 def _take(value, sl):
     if value is None or isinstance(value, (int, float)):
         return value
@@ -96,17 +125,15 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts, num_generations, max_new_tokens, temperature) -> Batch:
-    """G completions per prompt by ancestral sampling at `temperature` (no top-k / top-p);
-    the G rows of one prompt are contiguous."""
+    """G completions per prompt by ancestral sampling at `temperature` (no top-k / top-p;
+    temperature 0: greedy); the G rows of one prompt are contiguous."""
     device = causal_lm(model).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     out = model.generate(
         input_ids=enc["input_ids"],
         attention_mask=enc["attention_mask"],
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
+        **(sampling if temperature > 0 else dict(do_sample=False)),
         max_new_tokens=max_new_tokens,
         num_return_sequences=num_generations,
         pad_token_id=tokenizer.pad_token_id,

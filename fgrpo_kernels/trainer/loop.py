@@ -10,46 +10,32 @@ hidden state and the lm_head weight: the training forward never produces logits.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..reference import group_normalize
-from . import hf
+from . import evaluation, hf, rng, run_dir, scoring
 from .config import TrainConfig
-
-RewardFn = Callable[[list[str], list[str]], Sequence[float]]
-
-
-@dataclass
-class Rollout(hf.Batch):
-    """A sampled batch with its rewards [B], advantages [B] and fixed log-probs [B, T]."""
-
-    rewards: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    ref_logps: torch.Tensor | None = None
-    old_logps: torch.Tensor | None = None
-
-
-@dataclass
-class Preferences(hf.Batch):
-    """Preference rows, chosen and rejected interleaved; chosen [B] bool."""
-
-    chosen: torch.Tensor | None = None
-    ref_logps: torch.Tensor | None = None
+from .data import PromptSampler, as_rows
+from .hf import Preferences, Rollout
+from .rewards import RewardSet, RewardState
 
 
 class Trainer:
     """GRPO-family RL of a Hugging Face causal LM (optionally a PeftModel) with a fused loss.
 
-    prompts: a callable (n, rng) -> n prompt strings, or a sequence of prompts to draw from.
-    reward_fn(prompts, completions) -> one reward per completion (prompts repeated G times).
+    prompts: a callable (n, rng) -> n prompts, or a sequence of prompts, drawn epoch by epoch.
+    A prompt is a string or a row dict {"prompt": str, other columns...}; the other columns
+    reach the reward functions as keyword lists (TRL's convention, see `rewards.py`).
+    reward_fn: one reward function or a list of them (weighted by `config.reward_weights`),
+    called as f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...,
+    log_metric=...); keywords a function does not take are left out.
+    eval_prompts: rows scored every `config.eval_every` steps (mean reward and pass rate).
     preference_data (f-HAL): a callable (n, rng) -> n dicts {"prompt", "chosen", "rejected"},
     or a sequence of such dicts. ref_model: a frozen reference; by default a frozen copy of the
     initial model, or the adapter-disabled model for PEFT.
@@ -59,19 +45,23 @@ class Trainer:
         self,
         model,
         tokenizer,
-        reward_fn: RewardFn,
+        reward_fn,
         prompts,
         config: TrainConfig,
         *,
+        eval_prompts: Sequence | None = None,
         ref_model=None,
         preference_data=None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler=None,
     ):
-        self.cfg, self.model, self.tokenizer, self.reward_fn = config, model, tokenizer, reward_fn
+        self.cfg, self.model, self.tokenizer = config, model, tokenizer
+        self.rewards = RewardSet(reward_fn, config.reward_weights)
         if config.loss == "fhal" and preference_data is None:
             raise ValueError("preference_data: expected preference pairs for loss='fhal'; got None")
         self.prompts, self.preference_data = prompts, preference_data
+        self.sampler = None if callable(prompts) else PromptSampler(as_rows(prompts), config.seed)
+        self.eval_rows = None if eval_prompts is None else as_rows(eval_prompts)
         self.rng = random.Random(config.seed)
         self.loss_fn = config.loss_module()
         hf.lm_head(model)  # fail early on heads the fused loss cannot take
@@ -85,6 +75,10 @@ class Trainer:
         )
         self.model.eval()  # no dropout during RL, as in TRL's default
         self.step_count = 0
+        self.chance: float | None = None
+        self.resumed = False
+        self.stop_requested = False
+        self.start_step = 0  # the step this session of `train` started after
 
     def _reference(self, ref_model):
         cfg = self.cfg
@@ -107,6 +101,11 @@ class Trainer:
         source = list(source)
         return self.rng.sample(source, n) if len(source) >= n else self.rng.choices(source, k=n)
 
+    def _draw_rows(self, n: int) -> list[dict]:
+        if self.sampler is not None:
+            return self.sampler.draw(n)
+        return as_rows(self.prompts(n, self.rng))
+
     def _fixed_logps(self, batch: hf.Batch, reference: bool):
         tau = self.cfg.temperature
         if not reference:
@@ -117,26 +116,29 @@ class Trainer:
             return None
         return hf.logps_no_grad(self.ref_model, batch, tau)
 
-    def rollout(self) -> tuple[Rollout, list[str], list[str]]:
+    def score(self, rows: list[dict], batch: hf.Batch, repeat: int):
+        """(rewards [B] with NaN where unscored, reward metrics, completion texts)."""
+        state = RewardState(global_step=self.step_count, max_steps=self.cfg.steps)
+        return scoring.score(self.rewards, self.tokenizer, rows, batch, repeat, state)
+
+    def rollout(self) -> tuple[Rollout, list[str], list[str], dict]:
         """Sample, score, normalise, and attach reference (and old) log-probs."""
         cfg = self.cfg
-        prompts = self._draw(self.prompts, cfg.prompts_per_step)
+        rows = self._draw_rows(cfg.prompts_per_step)
         batch = hf.sample(
-            self.model, self.tokenizer, prompts, cfg.num_generations, cfg.max_new_tokens,
-            cfg.temperature,
+            self.model, self.tokenizer, [r["prompt"] for r in rows], cfg.num_generations,
+            cfg.max_new_tokens, cfg.temperature,
         )  # fmt: skip
-        texts = self.tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
-        repeated = [p for p in prompts for _ in range(cfg.num_generations)]
-        scores = [float(r) for r in self.reward_fn(repeated, texts)]
-        if len(scores) != len(texts):
-            raise ValueError(f"reward_fn: expected {len(texts)} rewards; got {len(scores)}")
-        rewards = torch.tensor(scores, device=batch.completion_ids.device)
+        rewards, metrics, texts = self.score(rows, batch, cfg.num_generations)
+        rewards, unscored = scoring.fill_unscored(rewards, cfg.num_generations)
         rollout = Rollout(**vars(batch), rewards=rewards)
-        rollout.advantages = group_normalize(rewards, cfg.num_generations, scale=cfg.scale_rewards)
+        advantages = group_normalize(rewards, cfg.num_generations, scale=cfg.scale_rewards)
+        rollout.advantages = advantages.masked_fill(unscored, 0.0)
         rollout.ref_logps = self._fixed_logps(batch, reference=True)
         if cfg.num_updates > 1 and cfg.loss == "grpo":
             rollout.old_logps = self._fixed_logps(batch, reference=False)
-        return rollout, repeated, texts
+        prompts = [r["prompt"] for r in rows for _ in range(cfg.num_generations)]
+        return rollout, prompts, texts, metrics
 
     def preferences(self) -> Preferences:
         pairs = self._draw(self.preference_data, self.cfg.pref_batch_size)
@@ -213,7 +215,7 @@ class Trainer:
     def step(self) -> dict[str, float]:
         """One rollout and its updates; returns the step's metrics record."""
         t0 = time.perf_counter()
-        rollout, prompts, texts = self.rollout()
+        rollout, prompts, texts, reward_metrics = self.rollout()
         prefs = self.preferences() if self.cfg.loss == "fhal" else None
         t1 = time.perf_counter()
         metrics = self.update(rollout, prefs)
@@ -225,7 +227,9 @@ class Trainer:
             "reward_mean": float(r.mean()),
             "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
             "frac_reward_zero_std": float((groups.std(-1) == 0).float().mean()),
+            "rollouts": r.numel(),
             "completion_length": float(rollout.completion_mask.sum(-1).float().mean()),
+            **reward_metrics,
             **metrics,
             "lr": self.scheduler.get_last_lr()[0],
             "rollout_s": t1 - t0,
@@ -234,47 +238,100 @@ class Trainer:
         record["sample"] = f"{prompts[0]} -> {texts[0]!r}"
         return record
 
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward and pass rate on the eval rows (see `evaluation.evaluate`)."""
+        return evaluation.evaluate(self)
+
+    def request_stop(self) -> None:
+        """Finish the current step, then end `train` as if its last step were done."""
+        self.stop_requested = True
+
+    def state_dict(self) -> dict:
+        """Everything besides the weights that a resumed run needs to continue exactly."""
+        return {
+            "step": self.step_count,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng.rng_state(),
+            "trainer_rng": rng.python_rng_state(self.rng),
+            "sampler": None if self.sampler is None else self.sampler.state_dict(),
+            "chance": self.chance,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict()` (the model must already hold the checkpoint's weights);
+        `train` then appends to the run's metrics instead of starting them over."""
+        self.step_count = int(state["step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng.set_python_rng_state(self.rng, state["trainer_rng"])
+        if self.sampler is not None and state["sampler"] is not None:
+            self.sampler.load_state_dict(state["sampler"])
+        self.chance = state["chance"]
+        self._rng_state = state["rng"]
+        self.resumed = True
+
+    def resume_from(self, checkpoint) -> None:
+        """`load_state_dict` from a checkpoint folder's trainer_state.pt."""
+        self.load_state_dict(run_dir.load_state(checkpoint))
+
     def save(self, path) -> None:
-        """save_pretrained of the model (the adapter for PEFT) and the tokenizer."""
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        """A resumable checkpoint: save_pretrained of the model (the adapter for PEFT) and the
+        tokenizer, plus trainer_state.pt."""
+        run_dir.save_checkpoint(Path(path), self.model, self.tokenizer, self.state_dict())
+
+    def _begin(self, out: Path) -> tuple[list[dict], float]:
+        """(history so far, seconds already spent): a fresh run seeds every random stream and
+        starts its metrics; a resumed one restores them and keeps its logged steps."""
+        out.mkdir(parents=True, exist_ok=True)
+        if not self.resumed:
+            rng.seed_everything(self.cfg.seed)
+            run_dir.start_metrics(out, self.cfg.to_dict())
+            if self.cfg.chance_samples:
+                self.chance = evaluation.chance_level(self, self.cfg.chance_samples)
+            return [], 0.0
+        history = run_dir.resume_metrics(out, self.step_count)
+        rng.set_rng_state(self._rng_state)  # last: loading models may have drawn numbers
+        return history, (history[-1].get("time_s", 0.0) if history else 0.0)
 
     def train(self, callback: Callable[[dict], None] | None = None) -> list[dict]:
-        """Run `cfg.steps` steps; metrics go to out_dir/metrics.jsonl, one line per step."""
+        """Run up to `cfg.steps` steps (fewer if `request_stop` is called); metrics go to
+        out_dir/metrics.jsonl, one line per step, and out_dir/final is a resumable checkpoint.
+        Returns the records of every step of the run, earlier sessions included."""
         cfg = self.cfg
         out = Path(cfg.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        torch.manual_seed(cfg.seed)
-        history, start, bar = [], time.perf_counter(), _progress(cfg)
-        with open(out / "metrics.jsonl", "w") as log:
-            for _ in range(cfg.steps):
-                record = self.step()
-                record["time_s"] = time.perf_counter() - start
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-                history.append(record)
-                if bar is not None:
-                    bar.set_postfix(_postfix(record), refresh=False)
-                    bar.update()
-                if callback is not None:
-                    callback(record)
-                if cfg.save_every and self.step_count % cfg.save_every == 0:
-                    self.save(out / f"checkpoint-{self.step_count}")
+        history, spent = self._begin(out)
+        self.start_step = self.step_count
+        start, bar = time.perf_counter(), _progress(cfg, self.step_count)
+        while self.step_count < cfg.steps and not self.stop_requested:
+            record = self.step()
+            due = cfg.eval_every and self.step_count % cfg.eval_every == 0
+            if self.eval_rows and (due or (cfg.eval_every and self.step_count == cfg.steps)):
+                record.update(self.evaluate())
+            record["time_s"] = spent + time.perf_counter() - start
+            run_dir.append_metrics(out, record)
+            history.append(record)
+            if bar is not None:
+                bar.set_postfix(_postfix(record), refresh=False)
+                bar.update()
+            if callback is not None:
+                callback(record)
+            if cfg.save_every and self.step_count % cfg.save_every == 0:
+                self.save(out / f"{run_dir.CHECKPOINT}{self.step_count}")
         if bar is not None:
             bar.close()
-        self.save(out / "final")
+        self.save(out / run_dir.FINAL)
         return history
 
 
-def _progress(cfg: TrainConfig):
+def _progress(cfg: TrainConfig, done: int):
     if not cfg.progress:
         return None
     try:
         from tqdm.auto import tqdm
     except ImportError:  # tqdm comes with the dev extra; without it, no bar
         return None
-    return tqdm(total=cfg.steps, desc=f"train {cfg.loss}", unit="step")
+    return tqdm(total=cfg.steps, initial=done, desc=f"train {cfg.loss}", unit="step")
 
 
 def _postfix(record: dict) -> dict[str, str]:
