@@ -31,6 +31,9 @@ def _child(rank, world, port, fn, args, errors):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
+        # NB: leave together; a rank tearing gloo down while its peer still talks aborts the
+        # peer (SIGABRT from gloo's I/O thread)
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put((rank, traceback.format_exc()))
         raise
