@@ -168,14 +168,15 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
     importance_sampling_level "token" | "sequence" (GSPO; not for cispo, sapo, vespo). old
     log-probs default to the current ones, detached. With beta != 0 the reference log-probs are
     required (`ref_per_token_logps`, or `ref_input`/`ref_hidden`) unless `use_ref_model=False`.
-    Options (docs/math.md, "The GRPO family"): `delta` (two-sided clip), `clip_ratio_c` (dual
-    clip), `use_bias_correction_kl`, `entropy_coef` (entropy bonus, with its gradient),
-    `top_entropy_quantile` (policy term on high-entropy tokens only),
+    Keyword `options` (TRL's names, docs/math.md "The GRPO family"): `delta` (two-sided clip),
+    `clip_ratio_c` (dual clip), `use_bias_correction_kl`, `entropy_coef` (entropy bonus, with
+    its gradient), `top_entropy_quantile` (policy term on high-entropy tokens only),
     `off_policy_mask_threshold` (with `sampling_per_token_logps`, default the old log-probs),
-    and the sapo_* / vespo_* parameters (None: TRL's defaults). Forward takes the rollout
-    engine's IS ratio `vllm_is_ratio` [B, T], [B, 1] or [B]; `return_entropy=True` returns
-    (loss, metrics, entropy [B, T]) with the entropy differentiable. `compiled` and
-    `chunk_size` are accepted for Liger compatibility and have no effect here.
+    and `sapo_temperature_pos/neg`, `vespo_k_pos/neg`, `vespo_lambda_pos/neg` (None: TRL's
+    defaults); unknown names are a TypeError. Forward takes the rollout engine's IS ratio
+    `vllm_is_ratio` [B, T], [B, 1] or [B]; `return_entropy=True` returns (loss, metrics,
+    entropy [B, T]) with the entropy differentiable. `compiled` and `chunk_size` are accepted
+    for Liger compatibility and have no effect here.
     """
 
     def __init__(
@@ -192,31 +193,13 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         fast_fp32=False,
         compiled=True,
         chunk_size=1,
-        *,
-        delta=None,
-        clip_ratio_c=None,
-        use_bias_correction_kl=False,
-        entropy_coef=0.0,
-        top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None,
-        sapo_temperature_pos=None,
-        sapo_temperature_neg=None,
-        vespo_k_pos=None,
-        vespo_lambda_pos=None,
-        vespo_k_neg=None,
-        vespo_lambda_neg=None,
+        **options,
     ):
         super().__init__(temperature, compute_entropy, fast_fp32)
         self.use_ref_model = bool(use_ref_model)
         self.opts = GRPOOptions.parse(
             loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
-            max_completion_length, delta=delta, clip_ratio_c=clip_ratio_c,
-            use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
-            top_entropy_quantile=top_entropy_quantile,
-            off_policy_mask_threshold=off_policy_mask_threshold,
-            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-            vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-            vespo_lambda_neg=vespo_lambda_neg,
+            max_completion_length, **options,
         )  # fmt: skip
 
     def entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -109,6 +109,15 @@ LOSS_TYPE_SPECS: dict[LossType, LossTypeSpec] = {
 }
 # The names of the loss types' own parameters.
 LOSS_TYPE_PARAMS = {name for spec in LOSS_TYPE_SPECS.values() for name, _ in spec.params}
+# The GRPO family's options beyond TRL's core five, each with its "off" value.
+GRPO_OPTIONS = {
+    "delta": None,
+    "clip_ratio_c": None,
+    "use_bias_correction_kl": False,
+    "entropy_coef": 0.0,
+    "top_entropy_quantile": 1.0,
+    "off_policy_mask_threshold": None,
+}
 
 
 def names(kind: type[enum.Enum]) -> tuple[str, ...]:
@@ -267,18 +276,23 @@ class GRPOOptions:
         epsilon_high,
         importance_sampling_level,
         max_completion_length,
-        *,
-        delta=None,
-        clip_ratio_c=None,
-        use_bias_correction_kl=False,
-        entropy_coef=0.0,
-        top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None,
-        **params,
+        **options,
     ) -> GRPOOptions:
-        """Validate every option once. `params` are the loss types' own parameters
-        (sapo_temperature_pos, ..., vespo_lambda_neg); None means the loss type's default, and
-        setting one for another loss type is a ValueError naming it."""
+        """Validate every option once. `options` are GRPO_OPTIONS (absent: off) and the loss
+        types' own parameters (sapo_temperature_pos, ..., vespo_lambda_neg; None or absent: the
+        loss type's default; set for another loss type: a ValueError naming it)."""
+        for arg in options:
+            if arg not in GRPO_OPTIONS and arg not in LOSS_TYPE_PARAMS:
+                raise TypeError(f"{arg}: not an option of the GRPO family")
+        params = {k: v for k, v in options.items() if k in LOSS_TYPE_PARAMS}
+        (
+            delta,
+            clip_ratio_c,
+            use_bias_correction_kl,
+            entropy_coef,
+            top_entropy_quantile,
+            off_policy_mask_threshold,
+        ) = (options.get(k, off) for k, off in GRPO_OPTIONS.items())
         loss_type = parse(LossType, "loss_type", loss_type)
         spec = LOSS_TYPE_SPECS[loss_type]
         level = parse(Level, "importance_sampling_level", importance_sampling_level)
@@ -314,8 +328,6 @@ class GRPOOptions:
             )
         values = {}
         for arg, value in params.items():
-            if arg not in LOSS_TYPE_PARAMS:
-                raise TypeError(f"{arg}: not an option of the GRPO family")
             if value is None:
                 continue
             if arg not in dict(spec.params):

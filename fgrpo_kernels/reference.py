@@ -257,33 +257,25 @@ def grpo_loss(
     max_completion_length=None,
     num_items_in_batch=None,
     *,
-    delta=None,
-    clip_ratio_c=None,
-    use_bias_correction_kl=False,
     vllm_is_ratio=None,
     entropy=None,
-    entropy_coef=0.0,
-    top_entropy_quantile=1.0,
-    off_policy_mask_threshold=None,
     sampling_logps=None,
-    sapo_temperature_pos=None,
-    sapo_temperature_neg=None,
-    vespo_k_pos=None,
-    vespo_lambda_pos=None,
-    vespo_k_neg=None,
-    vespo_lambda_neg=None,
+    **options,
 ):
     """TRL/Liger GRPO family: Σ_i n_i Σ_t mask·pt − entropy_coef·(mean entropy), per `loss_type`.
 
     pt = policy term of the loss type (clipped surrogate −min(w·a, clip(w)·a) for grpo, bnpo,
     dr_grpo, dapo, luspo; cispo, sapo, vespo as in docs/math.md) × the detached weights
     (`vllm_is_ratio` ρ [B, T], [B, 1] or [B]; the off-policy mask from `sampling_logps`, default
-    old; the top-`top_entropy_quantile` entropy mask) + β·k3(ref, logps) (× w with
-    `use_bias_correction_kl`). w = exp(log_ratio), log_ratio = logps − old_logps per token, or
-    its masked sequence mean at importance_sampling_level "sequence" (GSPO). old_logps None →
-    logps.detach(); ref_logps None → no KL term (as in Liger). `entropy` [B, T] (needed by
-    entropy_coef and top_entropy_quantile) may carry a gradient. sapo_* / vespo_*: None → TRL's
-    defaults.
+    old; the top-entropy mask) + β·k3(ref, logps) (× w with bias correction). w =
+    exp(log_ratio), log_ratio = logps − old_logps per token, or its masked sequence mean at
+    importance_sampling_level "sequence" (GSPO). old_logps None → logps.detach(); ref_logps None
+    → no KL term (as in Liger). `entropy` [B, T] (needed by entropy_coef and
+    top_entropy_quantile) may carry a gradient.
+
+    `options` (keywords, TRL's names): delta, clip_ratio_c, use_bias_correction_kl,
+    entropy_coef, top_entropy_quantile, off_policy_mask_threshold, and the loss types' own
+    sapo_temperature_pos/neg, vespo_k_pos/neg, vespo_lambda_pos/neg (None: TRL's defaults).
     """
     B, T = check.loss_batch(logps, None, mask)
     check.optional_per_token("old_logps", old_logps, B, T)
@@ -294,13 +286,7 @@ def grpo_loss(
     check.is_ratio("vllm_is_ratio", vllm_is_ratio, B, T)
     opts = GRPOOptions.parse(
         loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
-        max_completion_length, delta=delta, clip_ratio_c=clip_ratio_c,
-        use_bias_correction_kl=use_bias_correction_kl, entropy_coef=entropy_coef,
-        top_entropy_quantile=top_entropy_quantile,
-        off_policy_mask_threshold=off_policy_mask_threshold,
-        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg,
+        max_completion_length, **options,
     )  # fmt: skip
     if opts.needs_entropy and entropy is None:
         raise ValueError(

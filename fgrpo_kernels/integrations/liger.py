@@ -82,20 +82,6 @@ def liger_fused_linear_grpo(
     """Liger's `LigerFusedLinearGRPOFunction.apply`: (loss, (kl if beta != 0, clip_ratio))."""
     kind = parse(LossType, "loss_type", loss_type)
     spec = LOSS_TYPE_SPECS[kind]
-    if use_ref_model:
-        if ref_per_token_logps is None and ref_input is None:
-            raise ValueError(
-                "ref_per_token_logps: expected ref_per_token_logps or ref_input when "
-                "use_ref_model is True; got neither"
-            )
-        if ref_per_token_logps is not None and ref_input is not None:
-            warnings.warn(
-                "Both ref_per_token_logps and ref_input are provided. Using ref_per_token_logps.",
-                stacklevel=2,
-            )
-            ref_input = None
-    if kind == LossType.DR_GRPO and max_completion_length is None:
-        raise ValueError("max_completion_length: expected an int for loss_type 'dr_grpo'; got None")
     own = dict(spec.params)
     given = {
         "sapo_temperature_pos": sapo_temperature_pos,
@@ -113,6 +99,20 @@ def liger_fused_linear_grpo(
         delta=float(delta) if clipped and delta is not None else None,
         use_bias_correction_kl=bool(use_bias_correction_kl), **params,
     )  # fmt: skip
+    if use_ref_model:
+        if ref_per_token_logps is None and ref_input is None:
+            raise ValueError(
+                "ref_per_token_logps: expected ref_per_token_logps or ref_input when "
+                "use_ref_model is True; got neither"
+            )
+        if ref_per_token_logps is not None and ref_input is not None:
+            warnings.warn(
+                "Both ref_per_token_logps and ref_input are provided. Using ref_per_token_logps.",
+                stacklevel=2,
+            )
+            ref_input = None
+    if kind == LossType.DR_GRPO and max_completion_length is None:
+        raise ValueError("max_completion_length: expected an int for loss_type 'dr_grpo'; got None")
     items = None
     if spec.normaliser == Normaliser.ITEMS:
         items = _dapo_items(attention_mask, num_items_in_batch)

@@ -7,7 +7,16 @@ import triton.language as tl
 
 from .. import grpo_math
 from ..options import GRPOOptions, Level, Objective
-from .epilogue_common import Plan, contiguous, row_block, tl_load, tl_load_mask, tl_rows, tl_tile
+from .epilogue_common import (
+    Plan,
+    contiguous,
+    row_block,
+    tl_load,
+    tl_load_mask,
+    tl_row_sums,
+    tl_rows,
+    tl_tile,
+)
 from .tl_math import tl_sat_exp
 
 
@@ -95,25 +104,22 @@ def _grpo_epilogue_kernel(
     if HAS_ROW_WEIGHT:
         u = tl.load(row_w_ptr + rows, mask=row_ok, other=0.0)
     if SEQUENCE_LEVEL:
-        s_lr = tl.zeros([BLOCK_G], dtype=tl.float64)
-        length = tl.zeros([BLOCK_G], dtype=tl.float64)
-        carry = tl.zeros([BLOCK_G], dtype=tl.float32)
+        s_lr, length, carry = tl_row_sums(
+            logp_ptr, old_ptr, tok_w_ptr, mask_ptr, base, row_ok, T, HAS_OLD, HAS_TOKEN_WEIGHT,
+            BLOCK_G, BLOCK_T,
+        )  # fmt: skip
+        if not HAS_OLD:
+            s_lr = tl.zeros([BLOCK_G], dtype=tl.float64)
         s_kl = tl.zeros([BLOCK_G], dtype=tl.float32)
-        for t0 in range(0, T, BLOCK_T):
-            offs, ok = tl_tile(base, row_ok, t0, T, BLOCK_T)
-            m = tl_load_mask(mask_ptr, offs, ok)
-            lp = tl_load(logp_ptr, offs, ok)
-            length += tl.sum(m.to(tl.float64), axis=1)
-            if HAS_OLD:
-                d = lp.to(tl.float64) - tl_load(old_ptr, offs, ok).to(tl.float64)
-                s_lr += tl.sum(tl.where(m, d, 0.0), axis=1)
-            if HAS_TOKEN_WEIGHT:
-                carry += tl.sum(tl.where(m, tl_load(tok_w_ptr, offs, ok), 0.0), axis=1)
-            if HAS_KL and BIAS_CORRECTION:
-                kl, _ = tl_k3(tl_load(ref_ptr, offs, ok), lp, m)
+        if HAS_KL and BIAS_CORRECTION:
+            for t0 in range(0, T, BLOCK_T):
+                offs, ok = tl_tile(base, row_ok, t0, T, BLOCK_T)
+                m = tl_load_mask(mask_ptr, offs, ok)
+                kl, _ = tl_k3(tl_load(ref_ptr, offs, ok), tl_load(logp_ptr, offs, ok), m)
                 s_kl += tl.sum(tl.where(m, kl, 0.0), axis=1)
         if not HAS_TOKEN_WEIGHT:
-            carry = length.to(tl.float32)
+            carry = length
+        carry = carry.to(tl.float32)
         inv_len = 1.0 / tl.maximum(length, 1.0).to(tl.float32)
         lr_row = (s_lr / tl.maximum(length, 1.0)).to(tl.float32)
         zero = tl.zeros([BLOCK_G], dtype=tl.float32)
