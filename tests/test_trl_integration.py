@@ -372,3 +372,19 @@ def test_moe_load_balancing_loss_equals_trl(tmp_path):
     assert trainer.aux_loss_enabled
     assert_parity(trainer, fixed_batch(trainer))
     assert trainer._metrics["train"]["aux_loss"]
+
+
+def test_fgrpo_loss_type_takes_the_vllm_ratio_and_entropy_bonus(trainer_and_batch):
+    """loss_type "fgrpo" weighs each token by TRL's vLLM IS ratio and subtracts the entropy
+    bonus (both f-GRPO options); the GRPO-only options raise at construction, naming them."""
+    trainer, batch = trainer_and_batch
+    configure(trainer, loss_type="fgrpo", beta=0.1)
+    plain = trainer._compute_loss(trainer.model, batch)
+    configure(trainer, loss_type="fgrpo", beta=0.1, use_vllm=True, entropy_coef=0.05,
+              vllm_importance_sampling_correction=True)  # fmt: skip
+    vllm_inputs(batch, "token_truncate")
+    assert trainer._fgrpo_loss.opts.entropy_coef == 0.05
+    weighted = trainer._compute_loss(trainer.model, batch)
+    assert torch.isfinite(weighted) and float(weighted) != float(plain)
+    with pytest.raises(NotImplementedError, match="^loss_type: .*top_entropy_quantile"):
+        configure(trainer, loss_type="gift", beta=0.1, top_entropy_quantile=0.5)

@@ -109,14 +109,17 @@ class FusedLossMixin:
                 raise NotImplementedError(f"{arg}: {what} is not supported by the fused loss")
 
     def _fgrpo_trl_options(self) -> list[str]:
-        """The GRPO-family options set on this trainer (the extra loss types take none)."""
+        """The GRPO-family options set on this trainer that the extra loss type lacks ("fgrpo"
+        takes the vLLM IS ratio and a static entropy bonus, "gift" none)."""
         on = {
             "delta": getattr(self.args, "delta", None) is not None,
             "off_policy_mask_threshold": self.off_policy_mask_threshold is not None,
             "top_entropy_quantile": self.top_entropy_quantile < 1.0,
-            "entropy_coef": getattr(self, "_entropy_bonus_enabled", False),
-            "vllm_importance_sampling_correction": self._fgrpo_vllm_is(),
+            "use_adaptive_entropy": getattr(self, "use_adaptive_entropy", False),
         }
+        if self.loss_type == "gift":
+            on["entropy_coef"] = getattr(self, "_entropy_bonus_enabled", False)
+            on["vllm_importance_sampling_correction"] = self._fgrpo_vllm_is()
         return [name for name, value in on.items() if value]
 
     def _fgrpo_vllm_is(self) -> bool:
@@ -129,6 +132,7 @@ class FusedLossMixin:
                 args.fgrpo_divergence if hasattr(args, "fgrpo_divergence") else "pearson",
                 self.beta, getattr(args, "fgrpo_level", "token"),
                 getattr(args, "fgrpo_reduction", None), temperature=tau, compute_entropy=True,
+                entropy_coef=self.entropy_coef if self._entropy_bonus_enabled else 0.0,
             )  # fmt: skip
         if self.loss_type == "gift":
             detach = getattr(args, "gift_detach_stats", False)
@@ -183,9 +187,11 @@ class FusedLossMixin:
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         ref, adv = inputs.get("ref_per_token_logps"), inputs["advantages"]
         if self.loss_type == "fgrpo":
+            ratio = inputs.get("importance_sampling_ratio") if self._fgrpo_vllm_is() else None
             loss, metrics = self._fgrpo_loss(
-                hidden, weight, ids, mask, advantages=adv, ref_per_token_logps=ref, bias=bias
-            )
+                hidden, weight, ids, mask, advantages=adv, ref_per_token_logps=ref, bias=bias,
+                vllm_is_ratio=ratio,
+            )  # fmt: skip
             loss = loss / accum
         elif self.loss_type == "gift":
             rewards = inputs["fgrpo_rewards"]
