@@ -129,3 +129,25 @@ def test_rows_longer_than_a_tile_are_walked_in_chunks(monkeypatch, loss, b):
         run_grpo(monkeypatch, b, opts, True, True, None, rho.float(), entropy.float(), None)
     else:
         run_gift(monkeypatch, b, False, True, 1.0)
+
+
+@pytest.mark.parametrize("ratio", ["token", "row", "flat"])
+@pytest.mark.parametrize("level", list(O.Level), ids=name_of)
+@settings(max_examples=4, **QUICK)
+@given(b=batches(), divergence=st.sampled_from(DIVS), seed=st.integers(0, 2**31 - 1))
+def test_fgrpo_ratio_and_entropy_bonus(monkeypatch, level, ratio, b, divergence, seed):
+    """f-GRPO with the rollout ratio ρ on each unit and an entropy bonus (dL/dentropy too)."""
+    if level == O.Level.SEQUENCE and ratio == "token":
+        ratio = "row"
+    rho, entropy, _ = side_inputs(b, ratio, seed)
+    rho, entropy = rho.float(), entropy.float()
+    reduction = O.LEVEL_REDUCTIONS[level][0]
+    opts = O.FGRPOOptions(divergence, 0.5, level, reduction, entropy_coef=0.1)
+    args = (b.logps.float(), entropy, b.ref_logps, b.mask, b.advantages, None, None, rho, opts)
+    triton_out, cpu_out = both(monkeypatch, E.fgrpo, *args)
+    want = reference_grad(
+        R.fgrpo_loss, b.logps.float(), entropy_grad=True, ref_logps=b.ref_logps,
+        advantages=b.advantages, mask=b.mask, divergence=divergence, beta=0.5,
+        level=name_of(level), vllm_is_ratio=rho, entropy=entropy, entropy_coef=0.1,
+    )  # fmt: skip
+    check(f"fgrpo {name_of(divergence)} {name_of(level)} rho {ratio}", triton_out, want, cpu_out)
