@@ -12,6 +12,7 @@ datasets = pytest.importorskip("datasets")
 
 from trl import GRPOTrainer  # noqa: E402
 
+from fgrpo_kernels import options as O  # noqa: E402
 from fgrpo_kernels.integrations.trl import (  # noqa: E402
     FusedGRPOConfig,
     FusedGRPOTrainer,
@@ -111,7 +112,12 @@ def assert_parity(trainer, batch, tol=TOL):
         mp.setattr(GRPOTrainer, "_compute_loss", _no_fallback)
         fused_loss, fused_grads = loss_and_grads(trainer, batch, trainer._compute_loss)
     trainer._metrics["train"].clear()
-    trl_loss, trl_grads = loss_and_grads(trainer, batch, stock.__get__(trainer))
+    try:
+        trl_loss, trl_grads = loss_and_grads(trainer, batch, stock.__get__(trainer))
+    except ValueError as exc:
+        if "Unknown loss type" in str(exc):
+            pytest.skip(f"TRL has no loss_type {trainer.loss_type!r}")
+        raise
     assert abs(float(fused_loss) - float(trl_loss)) <= tol * max(abs(float(trl_loss)), 1e-3), (
         float(fused_loss),
         float(trl_loss),
@@ -181,7 +187,7 @@ def vllm_inputs(batch, mode, clip_min=None, clip_max=3.0, seed=3):
     return batch
 
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo"]
+LOSS_TYPES = list(O.LOSS_TYPES)  # a loss type TRL lacks is skipped (nothing to compare)
 VLLM_MODES = ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 # Each GRPOConfig option the issue lists, alone and together (TRL's defaults besides: β 0.04,
 # use_bias_correction_kl=True, gradient accumulation 2).

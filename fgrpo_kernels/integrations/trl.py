@@ -141,7 +141,7 @@ class FusedLossMixin:
                 compute_entropy=True,
             )  # fmt: skip
         spec = LOSS_TYPE_SPECS[parse(LossType, "loss_type", self.loss_type)]
-        params = {name: getattr(args, name) for name, _ in spec.params}
+        params = {name: getattr(args, name, None) for name, _ in spec.params}
         delta = getattr(args, "delta", None) if spec.objective == Objective.CLIPPED else None
         bonus = getattr(self, "_entropy_bonus_enabled", False)
 
