@@ -102,7 +102,7 @@ def _one_token(loss_type, lp, old, a, **options):
         torch.ones(1, 1), loss_type, 0.0, **options,
     )  # fmt: skip
     (grad,) = torch.autograd.grad(loss, x)
-    return float(loss), float(grad)
+    return float(loss.detach()), float(grad)
 
 
 def test_dual_clip_caps_a_negative_advantage_cost_and_its_slope():
