@@ -1,9 +1,11 @@
 """The loss epilogue: from per-token log-probs to (loss, dL/dlogp) in one pass, no vocabulary.
 
-Every loss of docs/math.md is a function of the fp32 per-token log-probs [B, T] and O(B·T) side
-inputs. The epilogue returns the loss *and* its gradient with respect to the log-probs, so the
-fused modules run [log-prob kernel → epilogue] forward and [log-prob backward fed dL/dlogp ·
-grad_output] backward. Two implementations share the signatures below:
+Every loss of docs/math.md is a function of the fp32 per-token log-probs [B, T] (and, for the
+entropy mask and bonus, the entropies) and O(B·T) side inputs. The epilogue returns the loss
+*and* its gradient with respect to the log-probs (and the entropies), so the fused modules run
+[log-prob kernel → epilogue] forward and [log-prob backward fed dL/dlogp · grad_output and
+dL/dH · grad_output] backward. Batch-wide normalisers are inputs (`grpo_math.Normalisers`).
+Two implementations share the signatures below:
 
 - Triton (`kernels.epilogue`), on CUDA tensors and under TRITON_INTERPRET=1;
 - PyTorch: autograd of the option-taking `reference` losses on a detached leaf (exact; the CPU
