@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import shutil
 
 import pytest
 
@@ -166,3 +167,13 @@ def test_spent_budget_skips_the_rest(tmp_path):
     assert rows and all(r["status"] == "skipped" for r in rows)
     assert all("time budget" in r["note"] for r in rows)
     assert (out / "bench.png").read_bytes()[:8] == PNG
+
+
+def test_replot_redraws_from_the_csv(tiny_run, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_run, out)
+    (out / "bench.png").unlink()
+    (out / "results.md").unlink()
+    assert cli.main(["bench", "--replot", "--out", str(out)]) == 0
+    assert (out / "bench.png").read_bytes()[:8] == PNG
+    assert (out / "results.md").read_text() == (tiny_run / "results.md").read_text()

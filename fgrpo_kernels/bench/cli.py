@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="CPU: fork each case from a preloaded server, exec a fresh python, or run in-process",
     )
     p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
+    p.add_argument(
+        "--replot", action="store_true", help="redraw --out's bench.png and results.md from its CSV"
+    )
 
 
 def _cases(args) -> tuple[Preset, list[Case]]:
@@ -158,9 +161,11 @@ def run(args) -> int:
 
     import fgrpo_kernels
 
-    from . import plots, report
+    from . import report
     from .measure import measure, row
 
+    if args.replot:
+        return _write_report(report.read_csv(args.out / "results.csv"), args.out)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fgrpo bench: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
@@ -211,14 +216,23 @@ def run(args) -> int:
         bar.close()
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
     meta["load_average_after"] = load_average()
-    table = report.markdown(records)
+    (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    _write_report(records, args.out)
+    print(f"{len(records)} cases in {meta['wall_s']} s → {args.out}/", file=sys.stderr)
+    return 0
+
+
+def _write_report(records: list[dict], out: Path) -> int:
+    """results.md and bench.png from the records and out/meta.json; prints the table."""
+    from . import plots, report
+
+    meta = json.loads((out / "meta.json").read_text())
     header = (
         f"{meta['command']} — {meta['date_utc']} — {meta['machine']} — {meta['wall_s']} s, "
         f"load average {meta['load_average_before']} before, {meta['load_average_after']} after"
     )
-    (args.out / "results.md").write_text(f"{header}\n\n{table}")
-    (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    plots.plot(records, args.out, title=header)
+    table = report.markdown(records)
+    (out / "results.md").write_text(f"{header}\n\n{table}")
+    plots.plot(records, out, title=header)
     print(table)
-    print(f"{len(records)} cases in {meta['wall_s']} s → {args.out}/", file=sys.stderr)
     return 0

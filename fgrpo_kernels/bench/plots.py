@@ -177,7 +177,7 @@ def figure(rows: list[dict], title: str = ""):
     missing = sorted({r["impl"] for r in rows if r["status"] == "unavailable"})
     note = "k×: peer ÷ ours at the largest N both ran; ×: did not finish (status beside it)."
     note += "  Not installed: " + ", ".join(missing) + "." if missing else ""
-    head = textwrap.wrap(title, 150) + [note]
+    head = textwrap.wrap(title, int(15 * fig.get_figwidth())) + [note]
     fig.suptitle("\n".join(head), fontsize=9)
     lines = 1 + (len(_legend(rows)) - 1) // 5
     fig.tight_layout(rect=(0, 0.01 + 0.03 * lines, 1, 1 - 0.022 * len(head)))

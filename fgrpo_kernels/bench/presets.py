@@ -63,7 +63,8 @@ class Case:
         return cls(**{**d, "policy": Policy(**d["policy"])})
 
 
-Entry = tuple[str, str, str, "int | None"]  # (workload, pass, impl, max_tokens or None)
+# (workload, pass, impl, max_tokens or None, generations or None: the preset's)
+Entry = tuple[str, str, str, "int | None", "tuple[int, ...] | None"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class Preset:
     hidden: tuple[int, ...]
     dtype: tuple[str, ...]
     matrix: tuple[Entry, ...]
-    generations: tuple[int, ...] = (8,)
+    generations: tuple[int, ...] = (8,)  # B, unless an entry of the matrix names its own
     policy: Policy = Policy()
     budget_s: float | None = None  # once a run has taken this long, the rest become skipped rows
     note: str = ""  # what the README should say about the choice of sizes
@@ -87,18 +88,26 @@ class Preset:
             for dtype in self.dtype
             for v in self.vocab
             for h in self.hidden
-            for b in self.generations
             for n in self.tokens
-            for workload, pass_, impl, cap in self.matrix
+            for workload, pass_, impl, cap, gens in self.matrix
+            for b in gens or self.generations
             if (cap is None or n <= cap) and n % b == 0
         ]
 
 
-def matrix(workload: str, pass_: str, **impls: int | None) -> tuple[Entry, ...]:
-    """Entries of one (workload, pass) panel: impl=max_tokens (None: every size)."""
+def matrix(
+    workload: str, pass_: str, impls: tuple[str, ...], generations=None, **caps: int
+) -> tuple[Entry, ...]:
+    """Entries of one (workload, pass) panel: every impl at every size, unless capped."""
     if pass_ not in PASSES:
         raise ValueError(f"pass_: expected one of {PASSES}; got {pass_!r}")
-    return tuple((workload, pass_, impl, cap) for impl, cap in impls.items())
+    return tuple((workload, pass_, impl, caps.get(impl), generations) for impl in impls)
+
+
+LOGPROB_PEERS = ("eager", "compile", "liger", "cce", "trl", "verl", "ours")
+GRPO_PEERS = ("eager", "compile", "liger", "ours")  # the peers with a GRPO loss of their own
+FORWARD_PEERS = ("eager", "compile", "cce", "trl", "ours")
+CHUNKED_TORCH = ("liger", "trl", "verl")  # flat memory, but slow on a CPU
 
 
 # 2-core CPU, fp32, V 32,768 (V 151,936 costs 4.6× the time per case), H 128: on a CPU the
@@ -114,25 +123,17 @@ CPU_QUICK = Preset(
     hidden=(128,),
     dtype=("float32",),
     matrix=(
-        *matrix(
-            "logprobs",
-            "fwd+bwd",
-            eager=16384,
-            compile=16384,
-            liger=16384,
-            cce=16384,
-            trl=16384,
-            verl=16384,
-            ours=None,
-        ),
-        *matrix("grpo", "fwd+bwd", eager=16384, liger=16384, ours=None),
-    ),  # fmt: skip
+        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS, **dict.fromkeys(LOGPROB_PEERS[:-1], 16384)),
+        *matrix("grpo", "fwd+bwd", ("eager", "liger", "ours"), eager=16384, liger=16384),
+    ),
     policy=Policy(warmup_small=True, repeats=3, min_time_s=2.0, timeout_s=240.0, max_mem_gib=5.0),
     note="V 32,768 (V 151,936 would cost 4.6x the time per case on 2 cores)",
 )
 
-# Long sequences: single sequences (B 1) and groups of 8 up to N 131,072, every peer at every
-# size (the materialising ones as oom rows), V 32,768 for the same reason as above.
+# Long sequences: single sequences (B 1) up to N 131,072, and the GRPO loss also on groups of 8
+# (Liger chunks per completion; the log-prob peers flatten B × T, so B does not change their
+# work), V 32,768 for the same reason as above. The materialising peers go to the end as oom
+# rows; the chunked-PyTorch peers (liger, trl, verl: several times our CPU time) stop at 32,768.
 CPU_LONG = Preset(
     name="cpu-long",
     device="cpu",
@@ -140,21 +141,11 @@ CPU_LONG = Preset(
     vocab=(32768,),
     hidden=(64,),
     dtype=("float32",),
-    generations=(1, 8),
+    generations=(1,),
     matrix=(
-        *matrix(
-            "logprobs",
-            "fwd+bwd",
-            eager=None,
-            compile=None,
-            liger=None,
-            cce=None,
-            trl=None,
-            verl=None,
-            ours=None,
-        ),
-        *matrix("grpo", "fwd+bwd", eager=None, liger=None, ours=None),
-    ),  # fmt: skip
+        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS, **dict.fromkeys(CHUNKED_TORCH, 32768)),
+        *matrix("grpo", "fwd+bwd", ("eager", "liger", "ours"), (1, 8), liger=32768),
+    ),
     policy=Policy(warmup_small=True, repeats=1, min_time_s=0.0, timeout_s=900.0, max_mem_gib=6.0),
     note="V 32,768 (V 151,936 would cost 4.6x the time per case on 2 cores)",
 )
@@ -167,27 +158,18 @@ CPU_FULL = Preset(
     hidden=(256,),
     dtype=("float32",),
     matrix=(
-        *matrix("logprobs", "fwd", eager=None, compile=None, cce=None, trl=None, ours=None),
-        *matrix(
-            "logprobs",
-            "fwd+bwd",
-            eager=None,
-            compile=None,
-            liger=None,
-            cce=None,
-            trl=None,
-            verl=None,
-            ours=None,
-        ),
-        *matrix("grpo", "fwd+bwd", eager=None, compile=None, liger=None, ours=None),
-        *matrix("fgrpo", "fwd+bwd", eager=None, compile=None, ours=None),
-        *matrix("grpo", "fwd+bwd-frozen", eager=None, liger=None, ours=None),
-    ),  # fmt: skip
+        *matrix("logprobs", "fwd", FORWARD_PEERS),
+        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS),
+        *matrix("grpo", "fwd+bwd", GRPO_PEERS),
+        *matrix("fgrpo", "fwd+bwd", ("eager", "compile", "ours")),
+        *matrix("grpo", "fwd+bwd-frozen", ("eager", "liger", "ours")),
+    ),
     policy=Policy(max_mem_gib=8.0),
 )
 
 # H200, bf16, a Qwen-sized lm_head; the materialising peers meet the GPU's own out-of-memory.
-GPU = Preset(
+GPU = dataclasses.replace(
+    CPU_FULL,
     name="gpu",
     device="cuda",
     tokens=(8192, 16384, 32768, 65536, 131072),
@@ -195,23 +177,11 @@ GPU = Preset(
     hidden=(4096,),
     dtype=("bfloat16",),
     matrix=(
-        *matrix("logprobs", "fwd", eager=None, cce=None, trl=None, ours=None),
-        *matrix(
-            "logprobs",
-            "fwd+bwd",
-            eager=None,
-            compile=None,
-            liger=None,
-            cce=None,
-            trl=None,
-            verl=None,
-            ours=None,
-        ),
-        *matrix(
-            "grpo", "fwd+bwd", eager=None, compile=None, liger=None, liger_triton=None, ours=None
-        ),
-        *matrix("grpo", "fwd+bwd-frozen", eager=None, liger=None, ours=None),
-    ),  # fmt: skip
+        *matrix("logprobs", "fwd", FORWARD_PEERS),
+        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS),
+        *matrix("grpo", "fwd+bwd", (*GRPO_PEERS, "liger_triton")),
+        *matrix("grpo", "fwd+bwd-frozen", ("eager", "liger", "ours")),
+    ),
     policy=Policy(repeats=5, min_time_s=0.5, timeout_s=120.0),
     budget_s=420.0,  # compile and autotune are the unknowns: stay under 8 minutes whatever
 )
@@ -231,8 +201,8 @@ TRAIN_MEMORY = Preset(
     hidden=(64,),
     dtype=("float32",),
     generations=(2,),
-    matrix=matrix("train-step", "fwd+bwd", backbone=None, trl=None, trl_liger=None, ours=None),
-    policy=Policy(warmup=0, repeats=1, min_time_s=0.0, timeout_s=1800.0, max_mem_gib=12.0),
+    matrix=matrix("train-step", "fwd+bwd", ("backbone", "trl", "trl_liger", "ours")),
+    policy=Policy(warmup_small=True, repeats=1, min_time_s=0.0, timeout_s=1800.0, max_mem_gib=12.0),
 )
 
 # Seconds, for tests and for dry-running a preset's logic at toy size.
@@ -244,9 +214,9 @@ TINY = Preset(
     hidden=(32,),
     dtype=("float32",),
     matrix=(
-        *matrix("logprobs", "fwd", ours=None),
-        *matrix("grpo", "fwd+bwd", eager=None, liger=None, ours=None),
-        *matrix("fgrpo", "fwd+bwd", ours=64),
+        *matrix("logprobs", "fwd", ("ours",)),
+        *matrix("grpo", "fwd+bwd", ("eager", "liger", "ours")),
+        *matrix("fgrpo", "fwd+bwd", ("ours",), ours=64),
     ),
     policy=Policy(repeats=2, min_time_s=0.0, timeout_s=120.0),
 )
