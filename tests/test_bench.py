@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 
 import pytest
@@ -177,3 +178,13 @@ def test_replot_redraws_from_the_csv(tiny_run, tmp_path):
     assert cli.main(["bench", "--replot", "--out", str(out)]) == 0
     assert (out / "bench.png").read_bytes()[:8] == PNG
     assert (out / "results.md").read_text() == (tiny_run / "results.md").read_text()
+
+
+def test_replot_of_an_interrupted_run(tiny_run, tmp_path):
+    out = tmp_path / "cut"
+    shutil.copytree(tiny_run, out)
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["wall_s"], meta["load_average_after"]  # what the run writes before its first case
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert cli.main(["bench", "--replot", "--out", str(out)]) == 0
+    assert "interrupted" in (out / "results.md").read_text().splitlines()[0]

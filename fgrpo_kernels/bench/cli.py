@@ -194,6 +194,7 @@ def run(args) -> int:
     if args.mmap_threshold_mib is not None:  # read by glibc at start: set before any worker
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(int(args.mmap_threshold_mib * 2**20))
         meta["malloc_mmap_threshold"] = os.environ["MALLOC_MMAP_THRESHOLD_"]
+    (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # kept if interrupted
     writer = report.CsvWriter(args.out / "results.csv")
     records, bar, t0 = [], _progress(len(cases)), time.perf_counter()
     for i, case in enumerate(cases):
@@ -227,9 +228,10 @@ def _write_report(records: list[dict], out: Path) -> int:
     from . import plots, report
 
     meta = json.loads((out / "meta.json").read_text())
+    wall = f"{meta['wall_s']} s" if "wall_s" in meta else "interrupted"
     header = (
-        f"{meta['command']} — {meta['date_utc']} — {meta['machine']} — {meta['wall_s']} s, "
-        f"load average {meta['load_average_before']} before, {meta['load_average_after']} after"
+        f"{meta['command']} — {meta['date_utc']} — {meta['machine']} — {wall}, load average "
+        f"{meta['load_average_before']} before, {meta.get('load_average_after', '?')} after"
     )
     table = report.markdown(records)
     (out / "results.md").write_text(f"{header}\n\n{table}")

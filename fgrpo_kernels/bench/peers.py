@@ -2,7 +2,7 @@
 
 Every peer gives per-token log-probs (hidden [B, T, H], weight [V, H], ids [B, T]) → fp32
 [B, T], so that its `logprobs` rows measure the same work as ours (tests/test_bench_peers.py
-checks each against `reference.logprobs`). A peer that ships its own GRPO loss also runs the
+checks each against a float64 oracle). A peer that ships its own GRPO loss also runs the
 `grpo` workload through it; the eager and compiled references and ours also run `fgrpo`.
 
 - `eager`: `fgrpo_kernels.reference` (materialises the fp32 [N, V] logits on purpose);

@@ -130,7 +130,8 @@ def _draw_panel(ax, rows: list[dict], key: tuple, metric: str, scale: float) -> 
     ax.xaxis.set_minor_formatter(NullFormatter())
     lo, hi = (min(values), max(values)) if values else (1.0, 10.0)  # nothing finished
     ax.set_ylim(lo / 1.6, hi * 4.0)  # headroom for the failure marks at the top
-    subs = (1.0, 2.0, 5.0) if hi / lo > 8 else tuple(float(s) for s in range(1, 10))
+    subs = (1.0, 2.0, 5.0) if hi / lo > 8 else (1.0, 2.0, 3.0, 5.0, 7.0) if hi / lo > 2 else None
+    subs = subs or tuple(float(s) for s in range(1, 10))  # a narrow range: every integer
     ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _value_label(v)))
     ax.yaxis.set_minor_formatter(NullFormatter())

@@ -1,13 +1,13 @@
 """The `train-step` workload: one GRPO training step of a Qwen2-shaped model, as a bench job.
 
 One step = the trainer's `_compute_loss` + backward on a fixed synthetic batch (dapo, token
-level, β 0.04, old and reference log-probs given, every other completion ending early), for a
+level, β 0.04, old and reference log-probs given, every completion T tokens long), for a
 Qwen2ForCausalLM with the real vocabulary (V 151,936), GQA, 2 layers of width H, untied head, and
 B completions of T tokens. Impls:
 
 - `trl`: TRL's GRPOTrainer as shipped (its chunked log-prob head, `trl.kernels`);
 - `trl_liger`: GRPOTrainer whose loss is Liger's `LigerFusedLinearGRPOLoss` on the last hidden
-  state (what TRL's `use_liger_loss` was; TRL 1.16's `use_liger_kernel` only swaps layer kernels);
+  state (TRL 1.16's own `use_liger_kernel` swaps Liger's layer kernels, not the loss);
 - `ours`: `fgrpo_kernels.integrations.trl.FusedGRPOTrainer` (the drop-in);
 - `backbone`: the backbone alone (forward + backward of a mean of its last hidden state), the
   floor every variant shares.
@@ -44,8 +44,9 @@ def qwen2_model(vocab: int, hidden: int, positions: int, seed: int = 0):
 def batch(B: int, T: int, V: int, seed: int = 0) -> dict:
     """TRL's `_compute_loss` inputs: B completions of T tokens after a PROMPT-token prompt."""
     g = torch.Generator().manual_seed(seed)
+    # NB: no padding: with a padded mask transformers hands SDPA a [B, 1, T, T] mask (8 GiB at
+    # T 32k), which would dwarf the heads compared here; unpadded, SDPA runs its flash kernel.
     mask = torch.ones(B, T, dtype=torch.long)
-    mask[1::2, T - T // 4 :] = 0  # ragged: every other completion ends early
     return {
         "prompt_ids": torch.randint(3, V, (B, PROMPT), generator=g),
         "prompt_mask": torch.ones(B, PROMPT, dtype=torch.long),
