@@ -18,7 +18,9 @@ COLUMNS = (
 INTS = ("tokens", "vocab", "hidden", "batch", "seq_len", "repeats")
 FLOATS = ("time_ms", "peak_mem_mib", "flop_floor_ratio", "cpu_time_ms", "compile_s", "case_s",
           "process_cpu_s", "checksum")  # fmt: skip
-IMPL_ORDER = ORDER + tuple(i for i in TRAIN_IMPLS if i not in ORDER)
+# the floor first, ours last, the peers in between
+_MIDDLE = [i for i in dict.fromkeys(ORDER + TRAIN_IMPLS) if i not in ("backbone", "ours")]
+IMPL_ORDER = ("backbone", *_MIDDLE, "ours")
 WORKLOAD_ORDER = (*WORKLOADS, "train-step")
 
 
