@@ -165,7 +165,8 @@ def figure(rows: list[dict], title: str = ""):
 
     panels = _panels(rows)
     cols = max(len(panels), 1)
-    fig, axes = plt.subplots(2, cols, figsize=(4.6 * cols, 8.4), squeeze=False)
+    width = 4.6 * max(cols, 2)  # room for the legend and the title under one panel
+    fig, axes = plt.subplots(2, cols, figsize=(width, 8.4), squeeze=False)
     for col, (key, prows) in enumerate(panels):
         for row_i, (metric, ylabel, scale) in enumerate(METRICS):
             ax = axes[row_i][col]
@@ -178,7 +179,7 @@ def figure(rows: list[dict], title: str = ""):
     missing = sorted({r["impl"] for r in rows if r["status"] == "unavailable"})
     note = "k×: peer ÷ ours at the largest N both ran; ×: did not finish (status beside it)."
     note += "  Not installed: " + ", ".join(missing) + "." if missing else ""
-    head = textwrap.wrap(title, int(15 * fig.get_figwidth())) + [note]
+    head = textwrap.wrap(title, int(12 * fig.get_figwidth())) + [note]
     fig.suptitle("\n".join(head), fontsize=9)
     lines = 1 + (len(_legend(rows)) - 1) // 5
     fig.tight_layout(rect=(0, 0.01 + 0.03 * lines, 1, 1 - 0.022 * len(head)))
