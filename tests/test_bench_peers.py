@@ -136,14 +136,18 @@ def test_train_memory_preset_is_qwen2_vocab_4k_to_32k_tokens_per_sequence():
     assert {c.seq_len for c in cases} == {4096, 16384, 32768}
 
 
-def test_train_step_variants_compute_one_loss():
+@pytest.mark.parametrize(
+    "vllm_is,bias_kl", [(None, False), ("sequence_mask", True), ("token_truncate", False)]
+)
+def test_train_step_variants_compute_one_loss(vllm_is, bias_kl):
     pytest.importorskip("trl")
     pytest.importorskip("liger_kernel")
     from fgrpo_kernels.bench.train_step import TrainStepJob
 
     grads, losses = {}, {}
     for impl in ("trl", "trl_liger", "ours"):
-        case = Case(impl, "train-step", "fwd+bwd", 2 * 24, 301, 16, "float32", "cpu", 2, Policy())
+        case = Case(impl, "train-step", "fwd+bwd", 2 * 24, 301, 16, "float32", "cpu", 2, Policy(),
+                    vllm_is=vllm_is, bias_correction_kl=bias_kl)  # fmt: skip
         job = TrainStepJob(case)
         losses[impl] = job.run()
         grads[impl] = job.model.lm_head.weight.grad.clone()

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .peers import PEERS
 from .presets import PRESETS, Case, Preset, default_preset
+from .train_step import VLLM_IS_MODES
 from .workload import PASSES
 
 GPU_PEAK_TFLOPS = 790.0  # H200 dense bf16
@@ -71,6 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="fork",
         help="CPU: fork each case from a preloaded server, exec a fresh python, or run in-process",
     )
+    p.add_argument(
+        "--vllm-is",
+        choices=VLLM_IS_MODES,
+        help="train-step: TRL's vLLM importance-sampling correction in this mode",
+    )
+    p.add_argument(
+        "--bias-correction-kl", action="store_true", help="train-step: TRL's bias-corrected KL"
+    )
     p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
     p.add_argument(
         "--replot", action="store_true", help="redraw --out's bench.png and results.md from its CSV"
@@ -100,6 +109,8 @@ def _cases(args) -> tuple[Preset, list[Case]]:
         if all(not getattr(args, arg) or getattr(c, field) in getattr(args, arg)
                for arg, field in keep)
     ]  # fmt: skip
+    trl = {"vllm_is": args.vllm_is, "bias_correction_kl": args.bias_correction_kl}
+    cases = [dataclasses.replace(c, **trl) if c.workload == "train-step" else c for c in cases]
     return preset, cases
 
 

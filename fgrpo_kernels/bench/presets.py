@@ -47,15 +47,20 @@ class Case:
     generations: int = 8
     policy: Policy = Policy()
     seed: int = 0
+    # train-step only: TRL's vLLM importance-sampling correction mode, and its bias-corrected KL
+    vllm_is: str | None = None
+    bias_correction_kl: bool = False
 
     @property
     def seq_len(self) -> int:
         return self.tokens // self.generations
 
     def label(self) -> str:
+        extra = f" vLLM-IS={self.vllm_is}" if self.vllm_is else ""
+        extra += " bias-corrected-KL" if self.bias_correction_kl else ""
         return (
             f"{self.impl} {self.workload} {self.pass_} N={self.tokens} B={self.generations} "
-            f"V={self.vocab} H={self.hidden}"
+            f"V={self.vocab} H={self.hidden}{extra}"
         )
 
     @classmethod

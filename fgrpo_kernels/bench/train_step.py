@@ -12,7 +12,10 @@ B completions of T tokens. Impls:
 - `backbone`: the backbone alone (forward + backward of a mean of its last hidden state), the
   floor every variant shares.
 
-TRL's `use_bias_correction_kl` is off so that the three losses are the same number.
+TRL's `use_bias_correction_kl` is off by default (`--bias-correction-kl` turns it on), and so
+is its vLLM importance-sampling correction (`--vllm-is MODE`: sampling log-probs 0.1 off the old
+ones, as a rollout engine gives, and the ratio TRL derives from them in that mode); every impl
+gets the same options, so the three losses stay the same number.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from .workload import GRPO_BETA
 
 IMPLS = ("backbone", "trl", "trl_liger", "ours")
 PROMPT = 16
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+VLLM_IS_CAP = 3.0  # TRL's vllm_importance_sampling_cap default
 
 
 def qwen2_model(vocab: int, hidden: int, positions: int, seed: int = 0):
@@ -41,13 +46,14 @@ def qwen2_model(vocab: int, hidden: int, positions: int, seed: int = 0):
         return Qwen2ForCausalLM(config)
 
 
-def batch(B: int, T: int, V: int, seed: int = 0) -> dict:
-    """TRL's `_compute_loss` inputs: B completions of T tokens after a PROMPT-token prompt."""
+def batch(B: int, T: int, V: int, seed: int = 0, vllm_is: str | None = None) -> dict:
+    """TRL's `_compute_loss` inputs: B completions of T tokens after a PROMPT-token prompt (and
+    the rollout engine's log-probs and TRL's IS ratio with `vllm_is`)."""
     g = torch.Generator().manual_seed(seed)
     # NB: no padding: with a padded mask transformers hands SDPA a [B, 1, T, T] mask (8 GiB at
     # T 32k), which would dwarf the heads compared here; unpadded, SDPA runs its flash kernel.
     mask = torch.ones(B, T, dtype=torch.long)
-    return {
+    out = {
         "prompt_ids": torch.randint(3, V, (B, PROMPT), generator=g),
         "prompt_mask": torch.ones(B, PROMPT, dtype=torch.long),
         "completion_ids": torch.randint(3, V, (B, T), generator=g),
@@ -57,6 +63,19 @@ def batch(B: int, T: int, V: int, seed: int = 0) -> dict:
         "old_per_token_logps": (-12.0 + 0.3 * torch.randn(B, T, generator=g)) * mask,
         "ref_per_token_logps": (-12.0 + 0.3 * torch.randn(B, T, generator=g)) * mask,
     }
+    if vllm_is:  # TRL's ratio from the rollout engine's log-probs, in the given mode
+        old = out["old_per_token_logps"]
+        sampling = old + 0.1 * torch.randn(B, T, generator=g)
+        diff = (old - sampling) * mask
+        if vllm_is.startswith("sequence"):
+            diff = diff.sum(-1, keepdim=True)
+        ratio = torch.exp(diff)
+        if vllm_is.endswith("truncate"):
+            ratio = ratio.clamp(max=VLLM_IS_CAP)
+        else:
+            ratio = ratio.masked_fill(ratio > VLLM_IS_CAP, 0.0)
+        out.update(sampling_per_token_logps=sampling, importance_sampling_ratio=ratio)
+    return out
 
 
 def _backbone_hidden(model, inputs):
@@ -72,19 +91,21 @@ def _backbone_hidden(model, inputs):
     return out.last_hidden_state[:, -T - 1 : -1]
 
 
-def _trainer(impl: str, path: str, B: int, T: int, V: int, hidden: int):
+def _trainer(impl: str, path: str, case):
     from datasets import Dataset
     from trl import GRPOTrainer
 
     from fgrpo_kernels.integrations.trl import FusedGRPOConfig, FusedGRPOTrainer
     from fgrpo_kernels.trainer.tiny import tiny_tokenizer
 
-    qwen2_model(V, hidden, PROMPT + T + 8).save_pretrained(path)
+    B, T = case.generations, case.seq_len
+    qwen2_model(case.vocab, case.hidden, PROMPT + T + 8).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     config = FusedGRPOConfig(
         output_dir=path, per_device_train_batch_size=B, num_generations=B,
-        max_completion_length=T, beta=GRPO_BETA, loss_type="dapo", use_bias_correction_kl=False,
-        bf16=False, use_cpu=True, report_to="none", save_strategy="no",
+        max_completion_length=T, beta=GRPO_BETA, loss_type="dapo",
+        use_bias_correction_kl=case.bias_correction_kl, bf16=False, use_cpu=True,
+        report_to="none", save_strategy="no",
     )  # fmt: skip
     cls = {"ours": FusedGRPOTrainer, "trl_liger": _liger_trainer_class()}.get(impl, GRPOTrainer)
     trainer = cls(
@@ -93,6 +114,9 @@ def _trainer(impl: str, path: str, B: int, T: int, V: int, hidden: int):
     )  # fmt: skip
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
+    if case.vllm_is:  # as GRPOConfig(use_vllm=True, ...) would set, without a vLLM server
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+        trainer.vllm_importance_sampling_mode = case.vllm_is
     return trainer
 
 
@@ -109,6 +133,7 @@ def _liger_trainer_class():
                     beta=self.beta, compiled=False, epsilon_low=self.epsilon_low,
                     epsilon_high=self.epsilon_high, loss_type=self.loss_type,
                     temperature=self.temperature,
+                    use_bias_correction_kl=self.args.use_bias_correction_kl,
                 )  # fmt: skip
             head = model.lm_head
             loss, _ = self._liger_loss(
@@ -116,6 +141,7 @@ def _liger_trainer_class():
                 inputs["completion_mask"], inputs["advantages"], head.bias,
                 ref_per_token_logps=inputs["ref_per_token_logps"],
                 old_per_token_logps=inputs["old_per_token_logps"],
+                vllm_is_ratio=inputs.get("importance_sampling_ratio"),
             )  # fmt: skip
             return loss
 
@@ -128,12 +154,12 @@ class TrainStepJob:
     def __init__(self, case):
         if case.impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS} for train-step; got {case.impl!r}")
-        B, T, V, H = case.generations, case.seq_len, case.vocab, case.hidden
+        B, T, V = case.generations, case.seq_len, case.vocab
         self._dir = tempfile.TemporaryDirectory(prefix="fgrpo-train-step-")
-        self.trainer = _trainer(case.impl, self._dir.name, B, T, V, H)
+        self.trainer = _trainer(case.impl, self._dir.name, case)
         self.model = self.trainer.model
-        self.inputs = batch(B, T, V, case.seed)
-        self.small = batch(B, 64, V, case.seed + 1)
+        self.inputs = batch(B, T, V, case.seed, case.vllm_is)
+        self.small = batch(B, 64, V, case.seed + 1, case.vllm_is)
         if case.impl == "backbone":
             self.loss = lambda model, inputs: _backbone_hidden(model, inputs).float().mean()
         else:
