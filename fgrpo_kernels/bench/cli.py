@@ -1,10 +1,13 @@
-"""`fgrpo bench`: memory and speed of ours against eager PyTorch, torch.compile and Liger.
+"""`fgrpo bench`: memory and speed of ours against every peer, one adapter each (`peers.py`).
 
-    fgrpo bench --device cpu --quick --out DIR     # 2-core CPU, a few minutes
-    fgrpo bench --device cuda --out DIR            # the H200 preset (bf16, V 151,936, H 4096)
+    fgrpo bench --device cpu --quick --out DIR        # 2-core CPU, under 5 minutes
+    fgrpo bench --preset cpu-long --out DIR           # CPU, single sequences and groups to 131k
+    fgrpo bench --preset train-memory --out DIR       # one TRL training step, Qwen2-shaped
+    fgrpo bench --device cuda --out DIR               # the H200 preset (bf16, V 151,936, H 4096)
 
-Writes DIR/results.csv, DIR/results.md, DIR/memory.png, DIR/time.png and DIR/meta.json, and
-prints the markdown table. A failed case (oom, timeout, error) is a row, not a crash.
+Writes DIR/results.csv, DIR/results.md, DIR/bench.png and DIR/meta.json (the command, the
+machine, its load average before and after, the peers' versions), and prints the markdown table.
+A failed case (oom, timeout, error, a peer not installed) is a row, not a crash.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -20,7 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from .presets import PASSES, PRESETS, Case, Preset, default_preset
+from .peers import PEERS
+from .presets import PRESETS, Case, Preset, default_preset
+from .train_step import VLLM_IS_MODES
+from .workload import PASSES
 
 GPU_PEAK_TFLOPS = 790.0  # H200 dense bf16
 
@@ -43,12 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=_ints, help="comma list of H")
     p.add_argument("--dtype", type=_strs, help="comma list: float32, bfloat16, float16")
     p.add_argument("--impls", type=_strs, help="keep only these impls (comma list)")
+    p.add_argument("--workloads", type=_strs, help="keep only these workloads (comma list)")
     p.add_argument("--passes", type=_strs, help=f"keep only these of {', '.join(PASSES)}")
+    p.add_argument("--generations", type=_ints, help="comma list of B (completions per group)")
     p.add_argument("--warmup", type=int, help="untimed runs per case")
     p.add_argument("--repeats", type=int, help="at most this many timed runs per case")
     p.add_argument("--min-time", type=float, help="stop repeating after this many timed s")
     p.add_argument("--timeout", type=float, help="seconds per CPU case before a timeout row")
-    p.add_argument("--max-mem-gib", type=float, help="CPU: cap each case's extra memory")
+    p.add_argument("--max-mem-gib", type=float, help="CPU: cap each case's extra memory (GiB)")
     p.add_argument("--budget-s", type=float, help="skip the remaining cases after this many s")
     p.add_argument(
         "--mmap-threshold-mib",
@@ -63,28 +72,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="fork",
         help="CPU: fork each case from a preloaded server, exec a fresh python, or run in-process",
     )
+    p.add_argument(
+        "--vllm-is",
+        choices=VLLM_IS_MODES,
+        help="train-step: TRL's vLLM importance-sampling correction in this mode",
+    )
+    p.add_argument(
+        "--bias-correction-kl", action="store_true", help="train-step: TRL's bias-corrected KL"
+    )
     p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
+    p.add_argument(
+        "--replot", action="store_true", help="redraw --out's bench.png and results.md from its CSV"
+    )
 
 
-def _cases(args) -> tuple[Preset, list[tuple[Case, bool]]]:
+def _cases(args) -> tuple[Preset, list[Case]]:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     preset = PRESETS[args.preset] if args.preset else default_preset(device, args.quick)
     changes = {"device": device}
-    for name in ("tokens", "vocab", "hidden", "dtype"):
+    for name in ("tokens", "vocab", "hidden", "dtype", "generations"):
         if getattr(args, name):
             changes[name] = getattr(args, name)
-    for arg, field in (("warmup", "warmup"), ("repeats", "repeats"), ("min_time", "min_time_s"),
-                       ("timeout", "timeout_s"), ("budget_s", "budget_s")):  # fmt: skip
-        if getattr(args, arg) is not None:
-            changes[field] = getattr(args, arg)
+    if args.budget_s is not None:
+        changes["budget_s"] = args.budget_s
+    policy = {field: getattr(args, arg) for arg, field in (
+        ("warmup", "warmup"), ("repeats", "repeats"), ("min_time", "min_time_s"),
+        ("timeout", "timeout_s"), ("max_mem_gib", "max_mem_gib"),
+    ) if getattr(args, arg) is not None}  # fmt: skip
+    changes["policy"] = dataclasses.replace(preset.policy, **policy)
     preset = dataclasses.replace(preset, **changes)
+    keep = (("impls", "impl"), ("workloads", "workload"), ("passes", "pass_"))
     cases = [
-        (dataclasses.replace(c, max_mem_gib=args.max_mem_gib), runnable)
-        for c, runnable in preset.cases()
-        if (not args.impls or c.impl in args.impls) and (not args.passes or c.pass_ in args.passes)
-    ]
+        c for c in preset.cases()
+        if all(not getattr(args, arg) or getattr(c, field) in getattr(args, arg)
+               for arg, field in keep)
+    ]  # fmt: skip
+    trl = {"vllm_is": args.vllm_is, "bias_correction_kl": args.bias_correction_kl}
+    cases = [dataclasses.replace(c, **trl) if c.workload == "train-step" else c for c in cases]
     return preset, cases
 
 
@@ -115,6 +141,23 @@ def machine() -> str:
     return text
 
 
+def load_average() -> str:
+    """The 1/5/15-minute load averages, as `uptime` prints them."""
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def versions(cases: list[Case]) -> dict[str, str]:
+    """The installed version of every peer package the run uses."""
+    names = {c.impl for c in cases if c.impl in PEERS}
+    if any(c.workload == "train-step" for c in cases):
+        names |= {"trl", "liger"}
+        names.discard("ours")
+    out = {PEERS[n].package or "torch": PEERS[n].version() for n in names if n != "ours"}
+    if any(c.workload == "train-step" for c in cases):
+        out["transformers"] = importlib.metadata.version("transformers")
+    return dict(sorted(out.items()))
+
+
 def _progress(total: int):
     try:
         from tqdm import tqdm
@@ -129,18 +172,20 @@ def run(args) -> int:
 
     import fgrpo_kernels
 
-    from . import plots, report
+    from . import report
     from .measure import measure, row
 
+    if args.replot:
+        return _write_report(report.read_csv(args.out / "results.csv"), args.out)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fgrpo bench: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     preset, cases = _cases(args)
     if args.dry_run:
-        for case, runnable in cases:
-            print(("" if runnable else "skip ") + case.label())
+        for case in cases:
+            print(case.label())
         return 0
-    device = cases[0][0].device if cases else "cpu"
+    device = cases[0].device if cases else "cpu"
     peak = args.peak_tflops or (GPU_PEAK_TFLOPS if device == "cuda" else None)
     args.out.mkdir(parents=True, exist_ok=True)
     start = datetime.datetime.now(datetime.timezone.utc)
@@ -149,23 +194,29 @@ def run(args) -> int:
         "preset": preset.name,
         "date_utc": start.isoformat(timespec="seconds"),
         "machine": machine(),
+        "load_average_before": load_average(),
         "cpu_backend": fgrpo_kernels.cpu_backend(),
         "fgrpo_kernels": fgrpo_kernels.__version__,
+        "versions": versions(cases),
+        "policy": dataclasses.asdict(preset.policy),
     }
+    if preset.note:
+        meta["note"] = preset.note
     if args.mmap_threshold_mib is not None:  # read by glibc at start: set before any worker
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(int(args.mmap_threshold_mib * 2**20))
         meta["malloc_mmap_threshold"] = os.environ["MALLOC_MMAP_THRESHOLD_"]
+    (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # kept if interrupted
     writer = report.CsvWriter(args.out / "results.csv")
     records, bar, t0 = [], _progress(len(cases)), time.perf_counter()
-    for i, (case, runnable) in enumerate(cases):
+    for i, case in enumerate(cases):
         if bar is not None:
             bar.set_description(case.label())
-        late = preset.budget_s is not None and time.perf_counter() - t0 > preset.budget_s
-        if not runnable or late:
-            why = "by preset" if not runnable else f"time budget of {preset.budget_s:.0f} s spent"
-            result = row(case, "skipped", why)
+        if preset.budget_s is not None and time.perf_counter() - t0 > preset.budget_s:
+            result = row(case, "skipped", f"time budget of {preset.budget_s:.0f} s spent")
         else:
+            started = time.perf_counter()
             result = measure(case, args.isolation)
+            result["case_s"] = time.perf_counter() - started
         record = report.flatten(result, peak * 1e12 if peak else None)
         writer.add(record)
         records.append(record)
@@ -176,11 +227,25 @@ def run(args) -> int:
     if bar is not None:
         bar.close()
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
-    table = report.markdown(records)
-    header = f"{meta['command']} — {meta['date_utc']} — {meta['machine']}"
-    (args.out / "results.md").write_text(f"{header}\n\n{table}")
+    meta["load_average_after"] = load_average()
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    plots.plot(records, args.out, title=header)
-    print(table)
+    _write_report(records, args.out)
     print(f"{len(records)} cases in {meta['wall_s']} s → {args.out}/", file=sys.stderr)
+    return 0
+
+
+def _write_report(records: list[dict], out: Path) -> int:
+    """results.md and bench.png from the records and out/meta.json; prints the table."""
+    from . import plots, report
+
+    meta = json.loads((out / "meta.json").read_text())
+    wall = f"{meta['wall_s']} s" if "wall_s" in meta else "interrupted"
+    header = (
+        f"{meta['command']} — {meta['date_utc']} — {meta['machine']} — {wall}, load average "
+        f"{meta['load_average_before']} before, {meta.get('load_average_after', '?')} after"
+    )
+    table = report.markdown(records)
+    (out / "results.md").write_text(f"{header}\n\n{table}")
+    plots.plot(records, out, title=header)
+    print(table)
     return 0

@@ -3,14 +3,15 @@
 - CUDA: in-process, CUDA events; `reset_peak_memory_stats` per case, peak = max_memory_allocated
   − memory_allocated after the inputs were built.
 - CPU: every case in a fresh process (forked from a server that has only imported torch, this
-  package and Liger, so no case pays the imports, or `python -m fgrpo_kernels.bench.measure CASE`
-  with JSON on stdout for `isolation="exec"`). Peak = VmHWM − VmRSS, with the high-water mark
-  reset (/proc/self/clear_refs) after the inputs were built. Wall time (perf_counter) and the
-  process CPU time per run are both kept: on a shared machine the second is the steadier one.
+  package and the peers, so no case pays the imports, or `python -m fgrpo_kernels.bench.measure
+  CASE` with JSON on stdout for `isolation="exec"`). Peak = VmHWM − VmRSS, with the high-water
+  mark reset (`process_memory.PeakRSS`) after the inputs were built. Wall time (perf_counter)
+  and the process CPU time per run are both kept: on a shared machine the second is steadier.
 
 Out-of-memory (an allocator error, or the child killed by SIGKILL), a timeout or any error is
-a result row with that status, never an exception. `max_mem_gib` caps the child's data segment
-(RLIMIT_DATA) above what the inputs use, which makes a real CPU OOM at a chosen size.
+a result row with that status, never an exception; a peer whose package is missing is an
+`unavailable` row. In a child process, `policy.max_mem_gib` caps the data segment (RLIMIT_DATA)
+above what the inputs use, which makes a real CPU out-of-memory at a chosen size.
 FGRPO_BENCH_FAKE="oom:IMPL" (or "kill:IMPL", "error:IMPL"; IMPL may be "*") fakes a failure.
 """
 
@@ -31,11 +32,13 @@ import time
 
 import torch
 
-from .impls import IMPLS, Workload, run_step
+from .peers import PEERS
 from .presets import Case
 from .process_memory import PeakRSS, status_bytes
+from .workload import Workload, run_step
 
-PRELOAD = ["torch", "fgrpo_kernels", "fgrpo_kernels.bench.impls", "liger_kernel.chunked_loss"]
+PRELOAD = ["torch", "fgrpo_kernels", "fgrpo_kernels.bench.peers", "liger_kernel.chunked_loss",
+           "trl.kernels", "cut_cross_entropy"]  # fmt: skip
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -82,61 +85,107 @@ class _CudaMemory:
         return torch.cuda.max_memory_allocated() - self.base
 
 
+class KernelJob:
+    """One peer's step on the case's `Workload`; `run(small)` is one unit of work."""
+
+    def __init__(self, case: Case):
+        self.step = PEERS[case.impl].step(case.workload, case.device)
+        self.w = Workload.make(case)
+        self.pass_ = case.pass_
+
+    def run(self, small: bool = False) -> torch.Tensor:
+        return run_step(self.step, self.w.prefix() if small else self.w, self.pass_)
+
+    def reset(self) -> None:
+        self.w.zero_grad()
+
+
+def _job(case: Case):
+    if case.workload == "train-step":
+        from .train_step import TrainStepJob
+
+        return TrainStepJob(case)
+    return KernelJob(case)
+
+
 def _cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
 
-def _time_one(step, w: Workload, case: Case) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one run; CUDA times with events."""
+def _time_one(job, case: Case, small: bool) -> tuple[float, float, object]:
+    """(wall seconds, process CPU seconds, output) of one run; CUDA times with events."""
     _fake_failure(case)
     if case.device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        run_step(step, w, case.pass_)
+        out = job.run(small)
         end.record()
         end.synchronize()
-        w.zero_grad()
-        return start.elapsed_time(end) / 1e3, float("nan")
+        job.reset()
+        return start.elapsed_time(end) / 1e3, float("nan"), out
     c0, t0 = _cpu_seconds(), time.perf_counter()
-    run_step(step, w, case.pass_)
+    out = job.run(small)
     t, c = time.perf_counter() - t0, _cpu_seconds() - c0
-    w.zero_grad()
-    return t, c
+    job.reset()
+    return t, c, out
+
+
+def _checksum(out) -> float:
+    """The sum of a step's output (the loss, or Σ log-probs): equal across peers doing the same
+    work, up to their rounding."""
+    return float(out.detach().double().sum()) if isinstance(out, torch.Tensor) else float(out)
 
 
 def row(case: Case, status: str, note: str = "", **values) -> dict:
     """A result row: the case, its status, and whatever was measured."""
-    impl = IMPLS.get(case.impl)
-    backend = impl.backend(case.device) if impl else ""
+    peer = PEERS.get(case.impl)
+    backend = peer.backend(case.device) if peer and case.workload != "train-step" else ""
     return {"case": dataclasses.asdict(case), "status": status, "note": note[:300],
             "backend": backend, **values}  # fmt: skip
 
 
-def measure_here(case: Case) -> dict:
-    """Measure `case` in this process; every failure becomes a row."""
-    impl = IMPLS[case.impl]
-    if case.device not in impl.devices:
-        return row(case, "unavailable", f"{case.impl} runs on {'/'.join(impl.devices)} only")
-    w = warm = mem = None
+def _unavailable(case: Case) -> str | None:
+    if case.workload == "train-step":
+        return None
+    peer = PEERS.get(case.impl)
+    if peer is None:
+        return f"no impl named {case.impl!r}"
+    if case.device not in peer.devices:
+        return f"{case.impl} runs on {'/'.join(peer.devices)} only"
+    if not peer.runs(case.workload):
+        return f"{case.impl} has no {case.workload} of its own"
+    return None
+
+
+def measure_here(case: Case, cap_memory: bool = False) -> dict:
+    """Measure `case` in this process; every failure becomes a row. `cap_memory` applies the
+    policy's memory cap (to a child process only: the limit stays for the process's life)."""
+    why = _unavailable(case)
+    if why is not None:
+        return row(case, "unavailable", why)
+    policy = case.policy
+    job = mem = None
     try:
         if case.device == "cuda":
             torch._dynamo.reset()  # in-process: no graph or recompile count leaks between cases
         try:
-            step = impl.build(case.device)
+            job = _job(case)
         except ImportError as e:
-            return row(case, "unavailable", f"{type(e).__name__}: {e}")
-        w = Workload.make(case)
-        mem = (_CudaMemory if case.device == "cuda" else _CpuMemory)(case.max_mem_gib)
-        small = case.warmup_small and not impl.compiles
-        warm = w.first() if small else w
-        times, cpus, first = [], [], None
-        for i in range(case.warmup + case.repeats):
-            if i > case.warmup and sum(times) >= case.min_time_s:
+            peer = PEERS.get(case.impl)
+            note = peer.missing(e) if peer and peer.package else f"{type(e).__name__}: {e}"
+            return row(case, "unavailable", note)
+        cap = policy.max_mem_gib if cap_memory and case.device == "cpu" else None
+        mem = (_CudaMemory if case.device == "cuda" else _CpuMemory)(cap)
+        compiles = PEERS[case.impl].compiles if case.impl in PEERS else False
+        times, cpus, first, out = [], [], None, None
+        for i in range(policy.warmup + policy.repeats):
+            if i > policy.warmup and sum(times) >= policy.min_time_s:
                 break
-            t, c = _time_one(step, warm if i < case.warmup else w, case)
+            warm = i < policy.warmup
+            t, c, out = _time_one(job, case, warm and policy.warmup_small)
             first = t if first is None else first
-            if i >= case.warmup:
+            if not warm:
                 times.append(t)
                 cpus.append(c)
         return row(
@@ -146,14 +195,17 @@ def measure_here(case: Case) -> dict:
             cpu_time_ms=1e3 * statistics.median(cpus),
             peak_mem_mib=mem.peak() / 2**20,
             repeats=len(times),
-            compile_s=first if impl.compiles else None,
+            compile_s=first if compiles else None,
+            checksum=_checksum(out),
+            process_cpu_s=_cpu_seconds(),
         )
     except Exception as e:  # noqa: BLE001 — every failure is a data point
         peak = None if mem is None else mem.peak() / 2**20
         status = "oom" if is_oom(e) else "error"
-        return row(case, status, f"{type(e).__name__}: {e}", peak_mem_mib=peak)
+        note = f"{type(e).__name__}: {e}"
+        return row(case, status, note, peak_mem_mib=peak, process_cpu_s=_cpu_seconds())
     finally:
-        del w, warm
+        del job
         gc.collect()
         if case.device == "cuda":
             torch.cuda.empty_cache()
@@ -177,7 +229,7 @@ def _child(case: Case, env: dict, conn) -> None:
     os.environ.update(env)  # the forkserver's environment is the one it started with
     if "MALLOC_MMAP_THRESHOLD_" in env:  # glibc read its environment at the server's start
         ctypes.CDLL(None).mallopt(-3, int(env["MALLOC_MMAP_THRESHOLD_"]))  # -3: M_MMAP_THRESHOLD
-    conn.send(measure_here(case))
+    conn.send(measure_here(case, cap_memory=True))
     conn.close()
 
 
@@ -194,10 +246,10 @@ def measure_forked(case: Case) -> dict:
     proc.start()
     send.close()
     try:
-        if recv.poll(case.timeout_s):
+        if recv.poll(case.policy.timeout_s):
             return recv.recv()
         if proc.is_alive():
-            return row(case, "timeout", f"no result after {case.timeout_s:.0f} s")
+            return row(case, "timeout", f"no result after {case.policy.timeout_s:.0f} s")
         proc.join()
         return _died(case, proc.exitcode)
     except EOFError:
@@ -213,9 +265,9 @@ def measure_forked(case: Case) -> dict:
 def measure_exec(case: Case) -> dict:
     cmd = [sys.executable, "-m", __spec__.name, json.dumps(dataclasses.asdict(case))]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=case.timeout_s)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=case.policy.timeout_s)
     except subprocess.TimeoutExpired:
-        return row(case, "timeout", f"no result after {case.timeout_s:.0f} s")
+        return row(case, "timeout", f"no result after {case.policy.timeout_s:.0f} s")
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         return _died(case, done.returncode, done.stderr)
@@ -230,8 +282,8 @@ def measure(case: Case, isolation: str = "fork") -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    case = Case(**json.loads((sys.argv[1:] if argv is None else argv)[0]))
-    print(json.dumps(measure_here(case)), flush=True)
+    case = Case.from_dict(json.loads((sys.argv[1:] if argv is None else argv)[0]))
+    print(json.dumps(measure_here(case, cap_memory=True)), flush=True)
 
 
 if __name__ == "__main__":

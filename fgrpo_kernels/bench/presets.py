@@ -1,9 +1,12 @@
-"""Benchmark presets: the sizes, the (pass, impl) matrix and the measurement policy.
+"""Benchmark presets: the sizes, the (workload, pass, impl) matrix and the measurement policy.
 
-A case is one (impl, pass, tokens N, vocab V, hidden H, dtype). Every case of a run sees the same
-workload for its size: B = `generations` completions of one prompt (one GRPO group), T = N / B
-tokens each (N is the long-sequence axis), reference log-probs given, all tokens unmasked.
-`max_tokens` in the matrix caps an impl in a preset; larger sizes become `skipped` rows.
+A case is one (impl, workload, pass, tokens N, vocab V, hidden H, dtype, generations B); the
+workload is described in `workload.py` (`train-step`: `train_step.py`). A preset lists exactly
+the cases it runs: `max_tokens` in the matrix caps where an impl is listed (a slow peer on a
+2-core CPU), and every listed case ends as a row (ok, oom, timeout, error, unavailable; skipped
+only when a preset's `budget_s` is spent). On CPU each case runs in a child process whose data
+segment is capped at `max_mem_gib` above its inputs, so a materialising peer meets a real
+out-of-memory at a chosen size instead of swapping the machine.
 """
 
 from __future__ import annotations
@@ -11,12 +14,30 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-PASSES = ("fwd", "fwd+bwd", "fwd+bwd-frozen")  # frozen: the lm_head weight takes no gradient
+from .workload import PASSES
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Repeats stop once the timed runs add up to `min_time_s` (at least one).
+
+    `warmup_small`: warm up on the first T/8 tokens of every completion (same code path, same B,
+    same lm_head), which pays the one-time costs (imports; compiles, whose graphs have dynamic
+    shapes) without doubling the cost of a long CPU case.
+    """
+
+    warmup: int = 1
+    warmup_small: bool = False
+    repeats: int = 5
+    min_time_s: float = 1.0
+    timeout_s: float = 900.0
+    max_mem_gib: float | None = None
 
 
 @dataclass(frozen=True)
 class Case:
     impl: str
+    workload: str
     pass_: str
     tokens: int
     vocab: int
@@ -24,138 +45,170 @@ class Case:
     dtype: str
     device: str
     generations: int = 8
-    warmup: int = 1
-    warmup_small: bool = False
-    repeats: int = 5
-    min_time_s: float = 1.0
-    timeout_s: float = 900.0
-    max_mem_gib: float | None = None
+    policy: Policy = Policy()
     seed: int = 0
+    # train-step only: TRL's vLLM importance-sampling correction mode, and its bias-corrected KL
+    vllm_is: str | None = None
+    bias_correction_kl: bool = False
 
     @property
     def seq_len(self) -> int:
         return self.tokens // self.generations
 
     def label(self) -> str:
-        return f"{self.impl} {self.pass_} N={self.tokens} V={self.vocab} H={self.hidden}"
+        extra = f" vLLM-IS={self.vllm_is}" if self.vllm_is else ""
+        extra += " bias-corrected-KL" if self.bias_correction_kl else ""
+        return (
+            f"{self.impl} {self.workload} {self.pass_} N={self.tokens} B={self.generations} "
+            f"V={self.vocab} H={self.hidden}{extra}"
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Case:
+        return cls(**{**d, "policy": Policy(**d["policy"])})
+
+
+# (workload, pass, impl, max_tokens or None, generations or None: the preset's)
+Entry = tuple[str, str, str, "int | None", "tuple[int, ...] | None"]
 
 
 @dataclass(frozen=True)
 class Preset:
-    """Sizes × matrix. Repeats stop once the timed runs add up to `min_time_s` (at least one).
-
-    `warmup_small`: warm up on the first completion only (N/B tokens, same code path, same lm_head),
-    which pays the one-time costs without doubling the cost of a long CPU case; torch.compile
-    impls still warm up at full size (a new shape recompiles).
-    """
-
     name: str
     device: str
     tokens: tuple[int, ...]
     vocab: tuple[int, ...]
     hidden: tuple[int, ...]
     dtype: tuple[str, ...]
-    matrix: tuple[tuple[str, str, int | None], ...]  # (pass, impl, max_tokens or None)
-    generations: int = 8
-    warmup: int = 1
-    warmup_small: bool = False
-    repeats: int = 5
-    min_time_s: float = 1.0
-    timeout_s: float = 900.0
+    matrix: tuple[Entry, ...]
+    generations: tuple[int, ...] = (8,)  # B, unless an entry of the matrix names its own
+    policy: Policy = Policy()
     budget_s: float | None = None  # once a run has taken this long, the rest become skipped rows
+    note: str = ""  # what the README should say about the choice of sizes
 
-    def cases(self) -> list[tuple[Case, bool]]:
-        """(case, runnable) for every size × matrix entry, all impls of a size together (so a
-        drifting machine load hits them alike); runnable False means skipped by the preset."""
-        policy = {f: getattr(self, f) for f in ("device", "generations", "warmup", "warmup_small",
-                                                 "repeats", "min_time_s", "timeout_s")}  # fmt: skip
+    def cases(self) -> list[Case]:
+        """Every listed case, all impls of a size together (a drifting load hits them alike)."""
         return [
-            (Case(impl, p, tokens, vocab, hidden, dtype, **policy), cap is None or tokens <= cap)
+            Case(impl, workload, pass_, n, v, h, dtype, self.device, b, self.policy)
             for dtype in self.dtype
-            for vocab in self.vocab
-            for hidden in self.hidden
-            for tokens in self.tokens
-            for p, impl, cap in self.matrix
+            for v in self.vocab
+            for h in self.hidden
+            for n in self.tokens
+            for workload, pass_, impl, cap, gens in self.matrix
+            for b in gens or self.generations
+            if (cap is None or n <= cap) and n % b == 0
         ]
 
 
-def _matrix(**passes: dict[str, int | None]) -> tuple[tuple[str, str, int | None], ...]:
-    names = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "frozen": "fwd+bwd-frozen"}
-    return tuple((names[p], i, cap) for p, impls in passes.items() for i, cap in impls.items())
+def matrix(
+    workload: str, pass_: str, impls: tuple[str, ...], generations=None, **caps: int
+) -> tuple[Entry, ...]:
+    """Entries of one (workload, pass) panel: every impl at every size, unless capped."""
+    if pass_ not in PASSES:
+        raise ValueError(f"pass_: expected one of {PASSES}; got {pass_!r}")
+    return tuple((workload, pass_, impl, caps.get(impl), generations) for impl in impls)
 
 
-LOSSES = ("eager_grpo", "compile_grpo", "liger_grpo", "ours_grpo", "ours_fgrpo")
+LOGPROB_PEERS = ("eager", "compile", "liger", "cce", "trl", "verl", "ours")
+GRPO_PEERS = ("eager", "compile", "liger", "ours")  # the peers with a GRPO loss of their own
+FORWARD_PEERS = ("eager", "compile", "cce", "trl", "ours")
+CHUNKED_TORCH = ("liger", "trl", "verl")  # flat memory, but slow on a CPU
 
-# On a 2-core CPU N·V elementwise work dominates, so H is small. The memory story does not
-# depend on H: eager holds O(N·V) logits; Liger 0.8.5 tiles one completion at a time in
-# min(T, 2048) × 4096 logits; ours (CPU path) in 1024 × 4096 tiles. The quick preset keeps only
-# eager, Liger and ours GRPO at the largest N, to stay within ~5 minutes on a shared 2-core box.
+
+# 2-core CPU, fp32, V 32,768 (V 151,936 costs 4.6× the time per case), H 128: on a CPU the
+# N·V elementwise work dominates and the memory story does not depend on H. Every peer is listed
+# at N 4,096 and 16,384; ours goes on to 65,536. The 5 GiB cap makes the [N, V]-materialising
+# peers (eager, compile, cce's torch_compile) out-of-memory at 16,384 (a 2 GiB fp32 logits
+# tensor and its gradient) instead of running for minutes; the chunked peers fit.
 CPU_QUICK = Preset(
     name="cpu-quick",
     device="cpu",
-    tokens=(1024, 4096, 16384),
+    tokens=(4096, 16384, 65536),
     vocab=(32768,),
     hidden=(128,),
     dtype=("float32",),
-    matrix=_matrix(
-        fwd_bwd={
-            "eager_grpo": None,
-            "compile_grpo": 4096,
-            "liger_grpo": None,
-            "ours_grpo": None,
-            "ours_fgrpo": 4096,
-        },
-        fwd={"eager_logprobs": 4096, "ours_logprobs": 4096},
-        frozen={"eager_grpo": 1024, "liger_grpo": 1024, "ours_grpo": 1024},
+    matrix=(
+        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS, **dict.fromkeys(LOGPROB_PEERS[:-1], 16384)),
+        *matrix("grpo", "fwd+bwd", ("eager", "liger", "ours"), eager=16384, liger=16384),
     ),
-    warmup_small=True,
-    repeats=3,
-    min_time_s=2.0,
-    timeout_s=280.0,
+    policy=Policy(warmup_small=True, repeats=3, min_time_s=2.0, timeout_s=240.0, max_mem_gib=5.0),
+    note="V 32,768 (V 151,936 would cost 4.6x the time per case on 2 cores)",
+)
+
+# Long sequences: single sequences (B 1) up to N 131,072, and the GRPO loss also on groups of 8
+# (Liger chunks per completion; the log-prob peers flatten B × T, so B does not change their
+# work), V 32,768 for the same reason as above. The materialising peers go to the end as oom
+# rows; the chunked-PyTorch peers (liger, trl, verl: several times our CPU time) stop at 32,768.
+CPU_LONG = Preset(
+    name="cpu-long",
+    device="cpu",
+    tokens=(8192, 32768, 131072),
+    vocab=(32768,),
+    hidden=(64,),
+    dtype=("float32",),
+    generations=(1,),
+    matrix=(
+        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS, **dict.fromkeys(CHUNKED_TORCH, 32768)),
+        *matrix("grpo", "fwd+bwd", ("eager", "liger", "ours"), (1, 8), liger=32768),
+    ),
+    policy=Policy(warmup_small=True, repeats=1, min_time_s=0.0, timeout_s=900.0, max_mem_gib=6.0),
+    note="V 32,768 (V 151,936 would cost 4.6x the time per case on 2 cores)",
 )
 
 CPU_FULL = Preset(
     name="cpu",
     device="cpu",
-    tokens=(1024, 2048, 4096, 8192, 16384, 32768),
+    tokens=(1024, 4096, 16384, 65536),
     vocab=(32768,),
     hidden=(256,),
     dtype=("float32",),
-    matrix=_matrix(
-        fwd_bwd={impl: None for impl in (*LOSSES, "eager_fgrpo")},
-        fwd={"eager_logprobs": None, "compile_logprobs": None, "ours_logprobs": None},
-        frozen={"eager_grpo": None, "liger_grpo": None, "ours_grpo": None, "ours_fgrpo": None},
+    matrix=(
+        *matrix("logprobs", "fwd", FORWARD_PEERS),
+        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS),
+        *matrix("grpo", "fwd+bwd", GRPO_PEERS),
+        *matrix("fgrpo", "fwd+bwd", ("eager", "compile", "ours")),
+        *matrix("grpo", "fwd+bwd-frozen", ("eager", "liger", "ours")),
     ),
+    policy=Policy(max_mem_gib=8.0),
 )
 
-# H200, bf16, a Qwen-sized lm_head. The fp32-materialising baselines stop where their logits
-# (N·V·4 bytes, plus log-softmax and gradients) no longer fit or take too long.
-GPU = Preset(
+# H200, bf16, a Qwen-sized lm_head; the materialising peers meet the GPU's own out-of-memory.
+GPU = dataclasses.replace(
+    CPU_FULL,
     name="gpu",
     device="cuda",
     tokens=(8192, 16384, 32768, 65536, 131072),
     vocab=(151936,),
     hidden=(4096,),
     dtype=("bfloat16",),
-    matrix=_matrix(
-        fwd_bwd={
-            "eager_grpo": 32768,
-            "compile_grpo": 32768,
-            "liger_triton_grpo": 65536,
-            "liger_grpo": None,
-            "ours_grpo": None,
-            "ours_fgrpo": None,
-        },
-        fwd={"eager_logprobs": 32768, "cce_logprobs": None, "ours_logprobs": None},
-        frozen={"eager_grpo": 32768, "liger_grpo": None, "ours_grpo": None},
+    matrix=(
+        *matrix("logprobs", "fwd", FORWARD_PEERS),
+        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS),
+        *matrix("grpo", "fwd+bwd", (*GRPO_PEERS, "liger_triton")),
+        *matrix("grpo", "fwd+bwd-frozen", ("eager", "liger", "ours")),
     ),
-    repeats=5,
-    min_time_s=0.5,
-    timeout_s=120.0,
+    policy=Policy(repeats=5, min_time_s=0.5, timeout_s=120.0),
     budget_s=420.0,  # compile and autotune are the unknowns: stay under 8 minutes whatever
 )
 
-GPU_QUICK = dataclasses.replace(GPU, name="gpu-quick", tokens=(8192, 32768), repeats=3)
+GPU_QUICK = dataclasses.replace(
+    GPU, name="gpu-quick", tokens=(8192, 32768), policy=Policy(repeats=3, min_time_s=0.5)
+)
+
+# One GRPO training step (loss + backward) of a Qwen2-shaped model (`train_step.py`): stock TRL,
+# TRL with Liger's fused GRPO loss, our TRL drop-in, and the backbone alone (the floor they share).
+# B 2 completions of T tokens: N = 2T, T from 4k to 32k.
+TRAIN_MEMORY = Preset(
+    name="train-memory",
+    device="cpu",
+    tokens=(8192, 32768, 65536),
+    vocab=(151936,),
+    hidden=(64,),
+    dtype=("float32",),
+    generations=(2,),
+    matrix=matrix("train-step", "fwd+bwd", ("backbone", "trl", "trl_liger", "ours")),
+    policy=Policy(warmup_small=True, repeats=1, min_time_s=0.0, timeout_s=1800.0, max_mem_gib=12.0),
+)
 
 # Seconds, for tests and for dry-running a preset's logic at toy size.
 TINY = Preset(
@@ -165,16 +218,15 @@ TINY = Preset(
     vocab=(512,),
     hidden=(32,),
     dtype=("float32",),
-    matrix=_matrix(
-        fwd_bwd={"eager_grpo": None, "liger_grpo": None, "ours_grpo": None, "ours_fgrpo": 64},
-        fwd={"ours_logprobs": None},
+    matrix=(
+        *matrix("logprobs", "fwd", ("ours",)),
+        *matrix("grpo", "fwd+bwd", ("eager", "liger", "ours")),
+        *matrix("fgrpo", "fwd+bwd", ("ours",), ours=64),
     ),
-    repeats=2,
-    min_time_s=0.0,
-    timeout_s=120.0,
+    policy=Policy(repeats=2, min_time_s=0.0, timeout_s=120.0),
 )
 
-PRESETS = {p.name: p for p in (CPU_QUICK, CPU_FULL, GPU, GPU_QUICK, TINY)}
+PRESETS = {p.name: p for p in (CPU_QUICK, CPU_LONG, CPU_FULL, GPU, GPU_QUICK, TRAIN_MEMORY, TINY)}
 
 
 def default_preset(device: str, quick: bool) -> Preset:

@@ -1,4 +1,4 @@
-"""Result rows → `results.csv`, the markdown table, and the ours/baseline ratios."""
+"""Result rows → `results.csv`, the markdown table, and the ours/peer ratios."""
 
 from __future__ import annotations
 
@@ -6,41 +6,37 @@ import csv
 import math
 from pathlib import Path
 
-from .impls import ORDER, flops
-from .presets import PASSES
+from .peers import ORDER
+from .train_step import IMPLS as TRAIN_IMPLS
+from .workload import PASSES, WORKLOADS, flops
 
 COLUMNS = (
-    "impl", "tokens", "vocab", "hidden", "dtype", "pass", "time_ms", "peak_mem_mib", "status",
-    "backend", "device", "flop_floor_ratio", "batch", "seq_len", "repeats", "cpu_time_ms",
-    "compile_s", "note",
+    "impl", "workload", "tokens", "vocab", "hidden", "dtype", "pass", "time_ms", "peak_mem_mib",
+    "status", "backend", "device", "flop_floor_ratio", "batch", "seq_len", "repeats",
+    "cpu_time_ms", "compile_s", "case_s", "process_cpu_s", "checksum", "note",
 )  # fmt: skip
-
-# (ours, baseline) pairs reported as ratios; the first baseline present is used.
-RATIOS = (
-    ("ours_grpo", ("eager_grpo",)),
-    ("ours_grpo", ("liger_grpo",)),
-    ("ours_grpo", ("liger_triton_grpo",)),
-    ("ours_grpo", ("compile_grpo",)),
-    ("ours_fgrpo", ("eager_fgrpo", "eager_grpo")),
-    ("ours_logprobs", ("eager_logprobs",)),
-    ("ours_logprobs", ("cce_logprobs",)),
-)
+INTS = ("tokens", "vocab", "hidden", "batch", "seq_len", "repeats")
+FLOATS = ("time_ms", "peak_mem_mib", "flop_floor_ratio", "cpu_time_ms", "compile_s", "case_s",
+          "process_cpu_s", "checksum")  # fmt: skip
+# the floor first, ours last, the peers in between
+_MIDDLE = [i for i in dict.fromkeys(ORDER + TRAIN_IMPLS) if i not in ("backbone", "ours")]
+IMPL_ORDER = ("backbone", *_MIDDLE, "ours")
+WORKLOAD_ORDER = (*WORKLOADS, "train-step")
 
 
 def flatten(result: dict, peak_flops: float | None) -> dict:
     """A measured row (see `measure.row`) as a CSV record with COLUMNS."""
     case = result["case"]
-    out = {k: case[k] for k in ("impl", "tokens", "vocab", "hidden", "dtype", "device")}
+    out = {k: case[k] for k in ("impl", "workload", "tokens", "vocab", "hidden", "dtype", "device")}
     out.update(
         {"pass": case["pass_"], "batch": case["generations"],
          "seq_len": case["tokens"] // case["generations"]}
     )  # fmt: skip
-    for key in ("status", "backend", "note", "time_ms", "peak_mem_mib", "repeats"):
+    for key in ("status", "backend", "note", "time_ms", "peak_mem_mib", "repeats", "cpu_time_ms",
+                "compile_s", "case_s", "process_cpu_s", "checksum"):  # fmt: skip
         out[key] = result.get(key)
-    out["cpu_time_ms"] = result.get("cpu_time_ms")
-    out["compile_s"] = result.get("compile_s")
     ratio = None
-    if peak_flops and out["time_ms"] is not None:
+    if peak_flops and out["time_ms"] is not None and out["workload"] in WORKLOADS:
         floor_s = flops(out["pass"], out["tokens"], out["hidden"], out["vocab"]) / peak_flops
         ratio = out["time_ms"] / 1e3 / floor_s
     out["flop_floor_ratio"] = ratio
@@ -49,7 +45,7 @@ def flatten(result: dict, peak_flops: float | None) -> dict:
 
 def _clean(v):
     if isinstance(v, float):
-        return None if math.isnan(v) else round(v, 4)
+        return None if math.isnan(v) else round(v, 4) if abs(v) < 1e6 else round(v, 1)
     return v
 
 
@@ -68,25 +64,32 @@ class CsvWriter:
 
 def read_csv(path: Path) -> list[dict]:
     """results.csv back as records, numbers as numbers and blanks as None."""
-    ints, floats = ("tokens", "vocab", "hidden", "batch", "seq_len", "repeats"), (
-        "time_ms", "peak_mem_mib", "flop_floor_ratio", "cpu_time_ms", "compile_s",
-    )  # fmt: skip
     rows = []
     with path.open(newline="") as f:
         for r in csv.DictReader(f):
             rec = {k: (None if r[k] == "" else r[k]) for k in COLUMNS}
-            for k in ints:
+            for k in INTS:
                 rec[k] = None if rec[k] is None else int(rec[k])
-            for k in floats:
+            for k in FLOATS:
                 rec[k] = None if rec[k] is None else float(rec[k])
             rows.append(rec)
     return rows
 
 
+def _index(order: tuple, value) -> int:
+    return order.index(value) if value in order else len(order)
+
+
+def panel_key(r: dict) -> tuple:
+    """Rows of one plot panel and one ratio block share this key."""
+    return (r["workload"], r["pass"], r["vocab"], r["hidden"], r["dtype"], r["batch"])
+
+
 def _sort_key(r: dict):
-    impl = ORDER.index(r["impl"]) if r["impl"] in ORDER else len(ORDER)
-    p = PASSES.index(r["pass"]) if r["pass"] in PASSES else len(PASSES)
-    return (r["dtype"], r["vocab"], r["hidden"], p, r["tokens"], impl)
+    return (
+        _index(WORKLOAD_ORDER, r["workload"]), _index(PASSES, r["pass"]), r["dtype"], r["vocab"],
+        r["hidden"], r["batch"], r["tokens"], _index(IMPL_ORDER, r["impl"]),
+    )  # fmt: skip
 
 
 def _num(v, fmt: str) -> str:
@@ -97,46 +100,52 @@ def markdown(rows: list[dict]) -> str:
     """The table (one line per case) followed by the ratios at the largest N both ran."""
     floor = any(r["flop_floor_ratio"] is not None for r in rows)
     cpu = any(r["cpu_time_ms"] is not None for r in rows)
-    head = ["pass", "N", "V", "H", "dtype", "impl", "status", "time ms"]
-    head += ["CPU time ms"] * cpu + ["peak MiB"] + ["× FLOP floor"] * floor + ["backend"]
+    head = ["workload", "pass", "N", "B", "V", "H", "dtype", "impl", "status", "time ms"]
+    head += ["CPU time ms"] * cpu + ["peak MiB"] + ["× FLOP floor"] * floor + ["backend", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=_sort_key):
-        cells = [r["pass"], str(r["tokens"]), str(r["vocab"]), str(r["hidden"]), r["dtype"]]
-        cells += [f"`{r['impl']}`", r["status"], _num(r["time_ms"], ".1f")]
-        cells += [_num(r["cpu_time_ms"], ".1f")] * cpu + [_num(r["peak_mem_mib"], ".1f")]
-        cells += [_num(r["flop_floor_ratio"], ".2f")] * floor + [r["backend"] or ""]
+        cells = [r["workload"], r["pass"], str(r["tokens"]), str(r["batch"]), str(r["vocab"])]
+        cells += [str(r["hidden"]), r["dtype"], f"`{r['impl']}`", r["status"]]
+        cells += [_num(r["time_ms"], ".1f")] + [_num(r["cpu_time_ms"], ".1f")] * cpu
+        cells += [_num(r["peak_mem_mib"], ".1f")] + [_num(r["flop_floor_ratio"], ".2f")] * floor
+        note = "" if r["status"] == "ok" else (r["note"] or "")[:90].replace("|", "/")
+        cells += [r["backend"] or "", note]
         lines.append("| " + " | ".join(cells) + " |")
     summary = ratios(rows)
     if summary:
-        lines += ["", "Ratios ours / baseline at the largest N where both ran:", ""]
+        lines += ["", "Ratios ours / peer at the largest N where both ran (< 1: ours is less):", ""]
         lines += [f"- {s}" for s in summary]
     return "\n".join(lines) + "\n"
 
 
+def largest_common(rows: list[dict], impl: str, base: str = "ours") -> tuple[dict, dict] | None:
+    """(base row, impl row) at the largest N where both are ok within one panel, or None."""
+    ok = {(r["impl"], r["tokens"]): r for r in rows if r["status"] == "ok"}
+    both = [n for (i, n) in ok if i == impl and (base, n) in ok]
+    return (ok[(base, max(both))], ok[(impl, max(both))]) if both else None
+
+
 def ratios(rows: list[dict]) -> list[str]:
-    """'ours/baseline (pass, N, V, H, dtype): memory x, time y' for every pair that both ran."""
-    ok = {
-        (r["impl"], r["pass"], r["vocab"], r["hidden"], r["dtype"], r["tokens"]): r
-        for r in rows
-        if r["status"] == "ok"
-    }
-    configs = sorted({k[1:5] for k in ok}, key=lambda c: (PASSES.index(c[0]), c[1:]))
+    """'ours/peer (workload, pass, N, B, V, H, dtype): memory x, time y' for every peer."""
+    panels: dict[tuple, list[dict]] = {}
+    for r in rows:
+        panels.setdefault(panel_key(r), []).append(r)
     out = []
-    for cfg in configs:
-        for ours, bases in RATIOS:
-            for base in bases:
-                both = [k[5] for k in ok if k[:5] == (ours, *cfg) and (base, *cfg, k[5]) in ok]
-                if not both:
-                    continue
-                n = max(both)
-                a, b = ok[(ours, *cfg, n)], ok[(base, *cfg, n)]
-                mem = _ratio(a["peak_mem_mib"], b["peak_mem_mib"])
-                tim = _ratio(a["time_ms"], b["time_ms"])
-                out.append(
-                    f"`{ours}` / `{base}` ({cfg[0]}, N={n}, V={cfg[1]}, H={cfg[2]}, {cfg[3]}): "
-                    f"memory {mem}, time {tim}"
-                )
-                break
+    for key in sorted(panels, key=lambda k: _sort_key(panels[k][0])):
+        impls = sorted(
+            {r["impl"] for r in panels[key]} - {"ours"}, key=lambda i: _index(IMPL_ORDER, i)
+        )
+        for impl in impls:
+            pair = largest_common(panels[key], impl)
+            if pair is None:
+                continue
+            a, b = pair
+            workload, pass_, V, H, dtype, B = key
+            out.append(
+                f"`ours` / `{impl}` ({workload} {pass_}, N={a['tokens']}, B={B}, V={V}, H={H}, "
+                f"{dtype}): memory {_ratio(a['peak_mem_mib'], b['peak_mem_mib'])}, "
+                f"time {_ratio(a['time_ms'], b['time_ms'])}"
+            )
     return out
 
 
