@@ -230,3 +230,56 @@ def gather_dtensor(t, arg: str) -> torch.Tensor:
     sizes = torch.empty(mesh.size(), dtype=torch.int64, device=local.device)
     dist.all_gather_into_tensor(sizes, size, group=group)
     return _GatherRows.apply(local, tuple(t.shape), group, tuple(sizes.tolist()))
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def check_group(group, arg: str = "process_group"):
+    """A process group of an initialised torch.distributed (or None: no data parallelism)."""
+    if group is None:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            f"{arg}: expected a process group of an initialised torch.distributed; got {group!r} "
+            "without init_process_group"
+        )
+    return group
+
+
+def global_sum(values, group) -> torch.Tensor:
+    """Σ over the group's ranks of a few numbers (float64, one all-reduce)."""
+    t = torch.as_tensor(values, dtype=torch.float64).reshape(-1).clone()
+    return all_reduce(t, group=group)
+
+
+def gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x [B, ...] stacked in rank order: [world·B, ...] (every rank's B equal)."""
+    world = dist.get_world_size(group)
+    total = int(global_sum([x.shape[0]], group)[0])
+    if total != world * x.shape[0]:
+        raise ValueError(
+            "process_group: expected the same number of completions on every rank; got "
+            f"{x.shape[0]} here and {total} in all over {world} ranks"
+        )
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    _record("all_gather", x)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def gather_values(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's 1-D x (of any length) concatenated: an all-gather of the lengths, then of
+    the values padded to the longest."""
+    world = dist.get_world_size(group)
+    n = torch.tensor([x.numel()], dtype=torch.int64, device=x.device)
+    lengths = torch.empty(world, dtype=torch.int64, device=x.device)
+    dist.all_gather_into_tensor(lengths, n, group=group)
+    width = int(lengths.max())
+    padded = x.new_zeros(max(width, 1))
+    padded[: x.numel()] = x.reshape(-1)
+    out = x.new_empty(world * padded.numel())
+    _record("all_gather", padded)
+    dist.all_gather_into_tensor(out, padded, group=group)
+    pieces = out.view(world, -1)
+    return torch.cat([pieces[r, : int(k)] for r, k in enumerate(lengths.tolist())])

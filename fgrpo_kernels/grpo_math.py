@@ -194,13 +194,18 @@ def row_scale(
     max_completion_length: int | None = None,
     num_items_in_batch=None,
     dtype: torch.dtype = torch.float32,
+    *,
+    batch=None,
+    tokens=None,
 ) -> torch.Tensor:
     """n [B] such that loss = Σ_i n_i Σ_t mask·per_token, by the loss type's normaliser:
     grpo, sapo 1/(B·max(L_i, 1)); bnpo 1/max(Σ mask, 1); dr_grpo 1/(B·max_completion_length,
-    default T); dapo, cispo, vespo 1/max(num_items_in_batch or Σ mask, 1); luspo 1/B."""
-    B, T = mask.shape
+    default T); dapo, cispo, vespo 1/max(num_items_in_batch or Σ mask, 1); luspo 1/B.
+    `batch` and `tokens` replace B and Σ mask (a data-parallel batch's global counts)."""
+    B_local, T = mask.shape
+    B = B_local if batch is None else batch
     m = mask.to(dtype)
-    ones = torch.ones(B, dtype=dtype, device=mask.device)
+    ones = torch.ones(B_local, dtype=dtype, device=mask.device)
     normaliser = LOSS_TYPE_SPECS[loss_type].normaliser
     if normaliser == Normaliser.ROW_MEAN:
         return 1.0 / (B * m.sum(-1).clamp(min=1.0))
@@ -212,8 +217,8 @@ def row_scale(
     if normaliser == Normaliser.ITEMS and num_items_in_batch is not None:
         total = torch.as_tensor(num_items_in_batch).to(device=mask.device, dtype=dtype)
     else:
-        total = m.sum()
-    return ones / total.clamp(min=1.0)
+        total = m.sum() if tokens is None else torch.as_tensor(tokens, dtype=dtype)
+    return ones / total.to(device=mask.device).clamp(min=1.0)
 
 
 @dataclass(frozen=True)
@@ -234,17 +239,25 @@ def bonus_mask(mask, opts, entropy=None, threshold=None, dtype=torch.float32) ->
     return m * entropy_mask(entropy, mask, threshold).to(dtype) if opts.entropy_mask else m
 
 
-def normalisers(mask, opts: GRPOOptions, num_items_in_batch=None, entropy=None, threshold=None,
-                dtype=torch.float32) -> Normalisers:  # fmt: skip
+def normalisers(
+    mask, opts: GRPOOptions, num_items_in_batch=None, entropy=None, threshold=None,
+    dtype=torch.float32, *, batch=None, tokens=None, bonus_count=None,
+) -> Normalisers:  # fmt: skip
     """`Normalisers` of this batch; `threshold` overrides the entropy quantile (e.g. one taken
-    over every rank)."""
-    scale = row_scale(mask, opts.loss_type, opts.max_completion_length, num_items_in_batch, dtype)
+    over every rank), `batch`, `tokens` and `bonus_count` the batch's B, Σ mask and number of
+    tokens the entropy bonus averages over (a data-parallel batch's global counts)."""
+    scale = row_scale(
+        mask, opts.loss_type, opts.max_completion_length, num_items_in_batch, dtype,
+        batch=batch, tokens=tokens,
+    )  # fmt: skip
     if opts.entropy_mask and threshold is None:
         threshold = entropy_threshold(entropy, mask, opts.top_entropy_quantile)
     bonus = None
     if opts.entropy_coef != 0.0:
-        effective = bonus_mask(mask, opts, entropy, threshold, dtype)
-        bonus = opts.entropy_coef / effective.sum().clamp(min=1.0)
+        if bonus_count is None:
+            bonus_count = bonus_mask(mask, opts, entropy, threshold, dtype).sum()
+        count = torch.as_tensor(bonus_count, dtype=dtype, device=mask.device)
+        bonus = opts.entropy_coef / count.clamp(min=1.0)
     return Normalisers(scale, threshold if opts.entropy_mask else None, bonus)
 
 

@@ -6,27 +6,77 @@ dL/dlogp · grad_output to the log-prob backward. `metrics` is a dict of detache
 
 Shapes: hidden [B, T, H], weight [V, H], completion_ids / completion_mask [B, T],
 advantages / rewards [B], per-token log-probs [B, T].
+
+Every module also takes `vocab_parallel=VocabParallel(...)` (weight and bias are this rank's
+shard of the vocabulary; completion ids stay global) and `process_group=` (this rank holds a
+slice of a data-parallel batch, in rank order: the normalisers, group statistics and pool
+sizes are the whole batch's, and each rank's loss is its share times the group size, so the
+mean over ranks — what DDP's gradient averaging takes — is the whole batch's loss; see
+docs/math.md §7). A DTensor weight or bias (FSDP2) is gathered once per call.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import epilogue, grpo_math, metrics
+from . import distributed, epilogue, grpo_math, metrics, reference
 from . import validation as check
 from .autograd import EpilogueFunction
+from .distributed import VocabParallel
 from .logprobs import fused_linear_logprobs
-from .options import FGRPOOptions, GIFTOptions, GRPOOptions, Level
+from .options import FGRPOOptions, GIFTOptions, GRPOOptions, Level, Reduction
 
 
 class _FusedLinearLoss(torch.nn.Module):
     """Shared plumbing: options, the policy log-probs, the optional in-call reference pass."""
 
-    def __init__(self, temperature=1.0, compute_entropy=False, fast_fp32=False):
+    def __init__(
+        self, temperature=1.0, compute_entropy=False, fast_fp32=False, vocab_parallel=None,
+        process_group=None,
+    ):  # fmt: skip
         super().__init__()
         self.temperature = check.temperature(temperature)
         self.compute_entropy = bool(compute_entropy)
         self.fast_fp32 = bool(fast_fp32)
+        if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
+            raise TypeError(
+                f"vocab_parallel: expected a VocabParallel or None; got {type(vocab_parallel)}"
+            )
+        self.vocab_parallel = vocab_parallel
+        self.process_group = process_group
+
+    def _head(self, weight, bias):
+        """The lm_head as plain tensors: a DTensor (FSDP2) weight or bias gathered once."""
+        if distributed.is_dtensor(weight):
+            weight = distributed.gather_dtensor(weight, "weight")
+        if distributed.is_dtensor(bias):
+            bias = distributed.gather_dtensor(bias, "bias")
+        return weight, bias
+
+    def _vocab_size(self, weight) -> int | None:
+        """The global V under vocabulary parallelism (ids are global), else None."""
+        if self.vocab_parallel is None:
+            return None
+        check.tensor("weight", weight, ndim=2)
+        return distributed.resolve(self.vocab_parallel, weight.shape[0], weight.device).total
+
+    def _batch(self, hidden, weight, ids, mask, bias, prefix=""):
+        """(hidden's B, T, weight, bias) after the checks, the lm_head gathered if sharded."""
+        weight, bias = self._head(weight, bias)
+        B, T, _, _ = check.linear_batch(
+            hidden, weight, ids, mask, bias, prefix=prefix, vocab_size=self._vocab_size(weight)
+        )
+        return B, T, weight, bias
+
+    def _data_parallel(self):
+        """(group, world size), or None without a process_group."""
+        group = distributed.check_group(self.process_group)
+        return None if group is None else (group, distributed.dist.get_world_size(group))
+
+    def _share(self, loss, local, total, world):
+        """A rank's share of a mean over the data-parallel batch, times the group size: the
+        mean over ranks is then the whole batch's loss."""
+        return loss * (world * float(local) / max(float(total), 1.0))
 
     def _logps(self, hidden, weight, ids, mask, bias, entropy=False):
         """Per-token log-probs [B, T] and, with `entropy`, entropies [B, T] (both 0 where masked,
@@ -42,6 +92,7 @@ class _FusedLinearLoss(torch.nn.Module):
             self.temperature,
             return_entropy=entropy,
             fast_fp32=self.fast_fp32,
+            vocab_parallel=self.vocab_parallel,
         )
         logp, ent = out if entropy else (out, None)
 
@@ -58,6 +109,7 @@ class _FusedLinearLoss(torch.nn.Module):
             return given.detach()
         if hidden is None:
             return None
+        weight, bias = self._head(weight, bias)
         check.tensor("ref_hidden", hidden, shape=(B, T, None), floating=True)
         check.tensor("ref_weight", weight, shape=(None, hidden.shape[-1]), floating=True)
         if bias is not None:
@@ -95,8 +147,10 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
         fast_fp32=False,
         *,
         entropy_coef=0.0,
+        vocab_parallel=None,
+        process_group=None,
     ):
-        super().__init__(temperature, compute_entropy, fast_fp32)
+        super().__init__(temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
         self.opts = FGRPOOptions.parse(
             divergence, beta, level, reduction, num_generations, scale_rewards, eps, unbiased,
             group_is_weights, entropy_coef=entropy_coef, scale_arg="scale_rewards",
@@ -121,13 +175,31 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
         return_entropy=False,
     ):
         opts = self.opts
-        B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
+        B, T, weight, bias = self._batch(hidden, weight, completion_ids, completion_mask, bias)
         check.is_ratio("vllm_is_ratio", vllm_is_ratio, B, T, per_token=opts.level == Level.TOKEN)
         if advantages is not None and rewards is not None and not opts.group_is_weights:
             raise ValueError("advantages: expected exactly one of advantages or rewards; got both")
+        dp = self._data_parallel()
+        counts = None
+        if dp is not None:
+            counts = distributed.global_sum([B, float(completion_mask.sum())], dp[0])
+            if opts.group_is_weights and opts.num_generations and B % opts.num_generations:
+                raise ValueError(
+                    f"process_group: group_is_weights needs whole groups on every rank; got {B} "
+                    f"completions here with num_generations={opts.num_generations}"
+                )
+            if opts.entropy_coef != 0.0 and opts.reduction != Reduction.TOKEN_MEAN:
+                raise ValueError(
+                    "process_group: entropy_coef with a data-parallel batch needs "
+                    "reduction='token_mean' (one normaliser for the loss and the bonus)"
+                )
         check.advantages_or_rewards(
-            advantages, rewards, opts.num_generations, B, need_rewards=opts.group_is_weights
-        )
+            advantages, rewards, opts.num_generations, B, need_rewards=opts.group_is_weights,
+            groups_of=None if dp is None else int(counts[0]),
+        )  # fmt: skip
+        if dp is not None and advantages is None and not opts.group_is_weights:
+            advantages = self._global_advantages(rewards, dp)
+            rewards = None
         check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
         ref = self._given_or_computed(
             "ref_per_token_logps",
@@ -158,7 +230,26 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
             logps, epilogue.fgrpo, ent, ref, completion_mask, adv, rw, old, ratio, opts
         )
         m = metrics.fgrpo(loss, logps, ref, completion_mask, adv, rw, ent, ratio, opts)
+        if dp is not None:
+            if opts.reduction == Reduction.TOKEN_MEAN:
+                loss = self._share(loss, completion_mask.sum(), counts[1], dp[1])
+            elif opts.reduction == Reduction.SEQ_MEAN:
+                loss = self._share(loss, B, counts[0], dp[1])
+            else:
+                loss = loss * dp[1]
         return (loss, m, ent) if return_entropy else (loss, m)
+
+    def _global_advantages(self, rewards, dp):
+        """This rank's advantages from the whole data-parallel batch's rewards (one O(B)
+        all-gather): groups may straddle ranks, and σ over the batch is the batch's."""
+        group, world = dp
+        opts = self.opts
+        every = distributed.gather_rows(rewards.detach().float(), group)
+        adv = reference.group_zscore(
+            every, opts.num_generations, opts.eps, opts.unbiased, opts.scale
+        )
+        rank = distributed.dist.get_rank(group)
+        return adv[rank * rewards.shape[0] : (rank + 1) * rewards.shape[0]]
 
 
 class FusedLinearGRPOLoss(_FusedLinearLoss):
@@ -193,9 +284,12 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         fast_fp32=False,
         compiled=True,
         chunk_size=1,
+        *,
+        vocab_parallel=None,
+        process_group=None,
         **options,
     ):
-        super().__init__(temperature, compute_entropy, fast_fp32)
+        super().__init__(temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
         self.use_ref_model = bool(use_ref_model)
         self.opts = GRPOOptions.parse(
             loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
@@ -203,9 +297,15 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         )  # fmt: skip
 
     def entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The entropy mask's threshold: the (1 − top_entropy_quantile) quantile of this batch's
-        unmasked entropies. Override to take it over more than this batch (e.g. every rank)."""
-        return grpo_math.entropy_threshold(entropy, mask, self.opts.top_entropy_quantile)
+        """The entropy mask's threshold: the (1 − top_entropy_quantile) quantile of the batch's
+        unmasked entropies (every rank's with a process_group, as TRL gathers them). Override to
+        take it over more than that."""
+        dp = self._data_parallel()
+        if dp is None:
+            return grpo_math.entropy_threshold(entropy, mask, self.opts.top_entropy_quantile)
+        values = distributed.gather_values(entropy.detach()[mask.bool()].float(), dp[0])
+        every = torch.ones_like(values, dtype=torch.bool)
+        return grpo_math.entropy_threshold(values, every, self.opts.top_entropy_quantile)
 
     def forward(
         self,
@@ -228,7 +328,7 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         return_entropy=False,
     ):
         opts = self.opts
-        B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
+        B, T, weight, bias = self._batch(hidden, weight, completion_ids, completion_mask, bias)
         check.tensor("advantages", advantages, shape=(B,), floating=True)
         check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
         check.optional_per_token("sampling_per_token_logps", sampling_per_token_logps, B, T)
@@ -261,15 +361,26 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         ratio = None if vllm_is_ratio is None else vllm_is_ratio.detach()
         adv = advantages.detach().float()
         threshold = self.entropy_threshold(ent, completion_mask) if opts.entropy_mask else None
+        detached = ent.detach() if need_entropy else None
+        counts, dp = {}, self._data_parallel()
+        if dp is not None:  # the whole data-parallel batch's B, Σ mask and bonus tokens
+            bonus = 0.0
+            if opts.entropy_coef != 0.0:
+                bonus = grpo_math.bonus_mask(completion_mask, opts, detached, threshold).sum()
+            total = distributed.global_sum([B, float(completion_mask.sum()), float(bonus)], dp[0])
+            counts = {"batch": int(total[0]), "tokens": float(total[1])}
+            if opts.entropy_coef != 0.0:
+                counts["bonus_count"] = float(total[2])
         norms = grpo_math.normalisers(
-            completion_mask, opts, num_items_in_batch, ent.detach() if need_entropy else None,
-            threshold,
-        )  # fmt: skip
+            completion_mask, opts, num_items_in_batch, detached, threshold, **counts
+        )
         loss = EpilogueFunction.apply(
             logps, epilogue.grpo, ent, old, ref, completion_mask, adv, ratio, sampling, norms,
             opts,
         )  # fmt: skip
         m = metrics.grpo(loss, logps, ent, old, ref, completion_mask, adv, ratio, norms, opts)
+        if dp is not None:
+            loss = loss * dp[1]
         return (loss, m, ent) if return_entropy else (loss, m)
 
 
@@ -291,8 +402,11 @@ class FusedLinearGIFTLoss(_FusedLinearLoss):
         unbiased=True,
         compute_entropy=False,
         fast_fp32=False,
+        *,
+        vocab_parallel=None,
+        process_group=None,
     ):
-        super().__init__(temperature, compute_entropy, fast_fp32)
+        super().__init__(temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
         self.opts = GIFTOptions.parse(num_generations, beta, eps, unbiased, detach_stats)
 
     def forward(
@@ -310,7 +424,7 @@ class FusedLinearGIFTLoss(_FusedLinearLoss):
         ref_bias=None,
     ):
         opts = self.opts
-        B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
+        B, T, weight, bias = self._batch(hidden, weight, completion_ids, completion_mask, bias)
         check.tensor("rewards", rewards, shape=(B,), floating=True)
         check.num_generations("num_generations", opts.num_generations, B)
         ref = self._given_or_computed(
@@ -333,4 +447,8 @@ class FusedLinearGIFTLoss(_FusedLinearLoss):
         )
         rw = rewards.detach().float()
         loss = EpilogueFunction.apply(logps, epilogue.gift, ref, completion_mask, rw, opts)
-        return loss, metrics.gift(loss, logps, ref, completion_mask, ent, opts)
+        m = metrics.gift(loss, logps, ref, completion_mask, ent, opts)
+        dp = self._data_parallel()
+        if dp is not None:  # whole groups on every rank: a mean over the batch's rows
+            loss = self._share(loss, B, distributed.global_sum([B], dp[0])[0], dp[1])
+        return loss, m

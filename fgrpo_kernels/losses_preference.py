@@ -6,18 +6,23 @@ bool (both pools non-empty).
 
 from __future__ import annotations
 
-from . import epilogue, metrics
+import torch
+
+from . import distributed, epilogue, metrics
 from . import validation as check
 from .autograd import EpilogueFunction
 from .losses import FusedLinearFGRPOLoss, _FusedLinearLoss
-from .options import FDOOptions, mixing_weight
+from .options import FDOOptions, FGRPOOptions, Level, Reduction, mixing_weight
 
 
 class FusedLinearFDOLoss(_FusedLinearLoss):
     """FDO: mean_chosen φ₊(r) + mean_rejected φ₋(r), r_i = β Σ_t mask·log(π/π_ref)."""
 
-    def __init__(self, divergence="pearson", beta=0.1, temperature=1.0, fast_fp32=False):
-        super().__init__(temperature, False, fast_fp32)
+    def __init__(
+        self, divergence="pearson", beta=0.1, temperature=1.0, fast_fp32=False, *,
+        vocab_parallel=None, process_group=None,
+    ):  # fmt: skip
+        super().__init__(temperature, False, fast_fp32, vocab_parallel, process_group)
         self.opts = FDOOptions.parse(divergence, beta)
 
     def forward(
@@ -34,8 +39,13 @@ class FusedLinearFDOLoss(_FusedLinearLoss):
         ref_weight=None,
         ref_bias=None,
     ):
-        B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
-        check.chosen("chosen", chosen, B)
+        B, T, weight, bias = self._batch(hidden, weight, completion_ids, completion_mask, bias)
+        dp = self._data_parallel()
+        pools = None
+        if dp is not None:  # the pools' sizes over the whole data-parallel batch
+            check.tensor("chosen", chosen, shape=(B,), dtypes=(torch.bool,))
+            pools = distributed.global_sum([float(chosen.sum()), B], dp[0])
+        check.chosen("chosen", chosen, B, pools)
         ref = self._given_or_computed(
             "ref_per_token_logps",
             ref_per_token_logps,
@@ -52,7 +62,17 @@ class FusedLinearFDOLoss(_FusedLinearLoss):
                 "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
             )
         logps, _ = self._logps(hidden, weight, completion_ids, completion_mask, bias)
-        loss = EpilogueFunction.apply(logps, epilogue.fdo, ref, completion_mask, chosen, self.opts)
+        if dp is None:
+            loss = EpilogueFunction.apply(
+                logps, epilogue.fdo, ref, completion_mask, chosen, self.opts
+            )
+        else:  # Σ_chosen φ₊/n_chosen + Σ_rejected φ₋/n_rejected over the whole batch's pools
+            n_chosen, n = float(pools[0]), float(pools[1])
+            adv = torch.where(chosen, 1.0 / n_chosen, -1.0 / (n - n_chosen)).float()
+            seq = FGRPOOptions(self.opts.divergence, self.opts.beta, Level.SEQUENCE, Reduction.SUM)
+            loss = EpilogueFunction.apply(
+                logps, epilogue.fgrpo, None, ref, completion_mask, adv, None, None, None, seq
+            ) * dp[1]  # fmt: skip
         return loss, metrics.fdo(loss, logps, ref, completion_mask, chosen, self.opts.beta)
 
 
@@ -76,7 +96,10 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
             divergence, beta, level, reduction, num_generations, temperature, **fgrpo_options
         )
         self.lam = mixing_weight(lam)
-        self.fdo = FusedLinearFDOLoss(divergence, beta, temperature, self.fast_fp32)
+        self.fdo = FusedLinearFDOLoss(
+            divergence, beta, temperature, self.fast_fp32, vocab_parallel=self.vocab_parallel,
+            process_group=self.process_group,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -100,10 +123,7 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
         ref_weight=None,
         ref_bias=None,
     ):
-        check.linear_batch(
-            pref_hidden, weight, pref_completion_ids, pref_completion_mask, bias, prefix="pref_"
-        )
-        check.chosen("chosen", chosen, pref_hidden.shape[0])
+        self._batch(pref_hidden, weight, pref_completion_ids, pref_completion_mask, bias, "pref_")
         check.optional_per_token(
             "pref_ref_per_token_logps", pref_ref_per_token_logps, *pref_hidden.shape[:2]
         )

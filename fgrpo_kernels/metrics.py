@@ -125,7 +125,7 @@ def gift(loss, logps, ref, mask, entropy, opts: GIFTOptions):
 def fdo(loss, logps, ref, mask, chosen, beta):
     out = _common(loss, logps, ref, mask, None)
     r = _implicit_rewards(logps, ref, mask, beta, Level.SEQUENCE)
-    out["implicit_reward/chosen"] = r[chosen].mean()
-    out["implicit_reward/rejected"] = r[~chosen].mean()
+    out["implicit_reward/chosen"] = _mean(r[chosen])  # a rank's pool may be empty
+    out["implicit_reward/rejected"] = _mean(r[~chosen])
     out["implicit_reward/margin"] = out["implicit_reward/chosen"] - out["implicit_reward/rejected"]
     return out

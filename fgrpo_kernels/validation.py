@@ -225,9 +225,13 @@ def is_ratio(arg: str, t, B: int, T: int, per_token: bool = True) -> None:
         raise ValueError(f"{arg}: expected shape {want}; got {list(t.shape)}")
 
 
-def advantages_or_rewards(advantages, rewards, num_generations_, B: int, need_rewards: bool):
+def advantages_or_rewards(
+    advantages, rewards, num_generations_, B: int, need_rewards: bool, groups_of: int | None = None
+):
     """f-GRPO's inputs: `advantages` [B], or `rewards` [B] with `num_generations` (normalised
-    inside). Both are accepted only when rewards are needed besides (group_is_weights)."""
+    inside). Both are accepted only when rewards are needed besides (group_is_weights).
+    `groups_of`: the number of rows the groups tile (default B; a data-parallel batch's
+    global B)."""
     if advantages is not None:
         tensor("advantages", advantages, shape=(B,), floating=True)
     if rewards is not None:
@@ -243,13 +247,15 @@ def advantages_or_rewards(advantages, rewards, num_generations_, B: int, need_re
     if rewards is not None or need_rewards:
         if num_generations_ is None:
             raise ValueError("num_generations: expected a positive int with rewards; got None")
-        num_generations("num_generations", num_generations_, B)
+        num_generations("num_generations", num_generations_, B if groups_of is None else groups_of)
     return advantages
 
 
-def chosen(arg: str, c, B: int) -> None:
+def chosen(arg: str, c, B: int, pools=None) -> None:
+    """A bool [B] mask of the chosen completions; both pools non-empty (counted over `pools` =
+    (chosen, total) when given: a data-parallel batch's global counts)."""
     tensor(arg, c, shape=(B,), dtypes=(torch.bool,))
-    n = int(c.sum())
+    n, B = (int(c.sum()), B) if pools is None else (int(pools[0]), int(pools[1]))
     if n == 0 or n == B:
         pool = "chosen" if n == 0 else "rejected"
         raise ValueError(
@@ -257,9 +263,10 @@ def chosen(arg: str, c, B: int) -> None:
         )
 
 
-def linear_batch(hidden, weight, ids, mask_, bias, *, prefix: str = ""):
+def linear_batch(hidden, weight, ids, mask_, bias, *, prefix: str = "", vocab_size=None):
     """The fused modules' inputs: hidden [B, T, H], weight [V, H], ids [B, T] in [0, V) where
-    the mask is set, mask [B, T], bias [V] | None. Returns (B, T, H, V)."""
+    the mask is set, mask [B, T], bias [V] | None. Returns (B, T, H, V). `vocab_size`: the
+    global V when weight holds one shard of the vocabulary (ids are global)."""
     tensor(f"{prefix}hidden", hidden, ndim=3, floating=True)
     B, T, H = hidden.shape
     tensor("weight", weight, shape=(None, H), floating=True)
@@ -286,6 +293,7 @@ def linear_batch(hidden, weight, ids, mask_, bias, *, prefix: str = ""):
         }
     )
     bias_entries(bias)
+    V = V if vocab_size is None else vocab_size
     live = ids[mask_.bool()]
     if live.numel() and bool(((live < 0) | (live >= V)).any()):
         bad = int(live[(live < 0) | (live >= V)][0])

@@ -228,3 +228,132 @@ def _fsdp_ranks(rank, world):
 def test_fsdp2_dtensor_lm_head(backend, monkeypatch):
     monkeypatch.setenv("FGRPO_BACKEND", "cpu")
     run_ranks(_fsdp_ranks, 2)
+
+
+# ----------------------------------------------------------------------------- loss modules
+
+
+def _module_cases(G):
+    """(name, module factory taking the distributed options, call(module, hidden, weight, bias,
+    ids, mask, batch)) for every fused module; `batch` holds the rest of the inputs."""
+
+    def fgrpo(level, **kw):
+        return lambda m, h, w, b, ids, mask, d: m(
+            h, w, ids, mask, rewards=d["rewards"], ref_per_token_logps=d["ref"], bias=b
+        )
+
+    def grpo(m, h, w, b, ids, mask, d):
+        return m(
+            h, w, ids, mask, d["adv"], b, ref_per_token_logps=d["ref"],
+            old_per_token_logps=d["old"],
+        )  # fmt: skip
+
+    def gift(m, h, w, b, ids, mask, d):
+        return m(h, w, ids, mask, d["rewards"], d["ref"], bias=b)
+
+    def fdo(m, h, w, b, ids, mask, d):
+        return m(h, w, ids, mask, d["chosen"], d["ref"], bias=b)
+
+    def fhal(m, h, w, b, ids, mask, d):
+        return m(
+            h, w, ids, mask, h, ids, mask, d["chosen"], rewards=d["rewards"],
+            ref_per_token_logps=d["ref"], pref_ref_per_token_logps=d["ref"], bias=b,
+        )  # fmt: skip
+
+    return [
+        ("fgrpo_token", lambda **o: fk.FusedLinearFGRPOLoss(
+            "js", 0.5, "token", num_generations=G, temperature=0.8, entropy_coef=0.01, **o),
+         fgrpo("token")),
+        ("fgrpo_sequence_batch", lambda **o: fk.FusedLinearFGRPOLoss(
+            "kl", 0.1, "sequence", num_generations=G, scale_rewards="batch", **o),
+         fgrpo("sequence")),
+        ("grpo_dapo_entropy", lambda **o: fk.FusedLinearGRPOLoss(
+            "dapo", 0.04, temperature=0.8, entropy_coef=0.01, top_entropy_quantile=0.5, **o),
+         grpo),
+        ("grpo_grpo_sequence", lambda **o: fk.FusedLinearGRPOLoss(
+            "grpo", 0.04, importance_sampling_level="sequence", **o), grpo),
+        ("grpo_dr_grpo", lambda **o: fk.FusedLinearGRPOLoss("dr_grpo", 0.0, **o), grpo),
+        ("gift", lambda **o: fk.FusedLinearGIFTLoss(2, 1.0, **o), gift),
+        ("fdo", lambda **o: fk.FusedLinearFDOLoss("pearson", 0.2, **o), fdo),
+        ("fhal", lambda **o: fk.FusedLinearFHALLoss("js", 0.2, 0.3, num_generations=G, **o),
+         fhal),
+    ]  # fmt: skip
+
+
+def _batch(B, T, H, V, seed):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, T)
+    mask[1, T - 2 :] = 0
+    mask[-1, 3:] = 0
+    return {
+        "hidden": torch.randn(B, T, H, generator=gen),
+        "weight": torch.randn(V, H, generator=gen) * 0.3,
+        "bias": torch.randn(V, generator=gen) * 0.1,
+        "ids": torch.randint(0, V, (B, T), generator=gen),
+        "mask": mask,
+        "rewards": torch.rand(B, generator=gen),
+        "adv": torch.randn(B, generator=gen),
+        "ref": -torch.rand(B, T, generator=gen) * 3 - 2,
+        "old": -torch.rand(B, T, generator=gen) * 3 - 2,
+        "chosen": torch.arange(B) % 3 == 0,
+    }
+
+
+def _run_module(make, call, d, rows, weight, bias, **opts):
+    h = d["hidden"][rows].clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    b = bias.clone().requires_grad_(True)
+    sub = {k: (v[rows] if k not in ("weight", "bias") else v) for k, v in d.items()}
+    loss = call(make(**opts), h, w, b, sub["ids"], sub["mask"], sub)[0]
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, b.grad
+
+
+def _vocab_parallel_modules(rank, world):
+    d = _batch(6, 7, 11, 53, seed=5)
+    lo, hi = shard_bounds(53, rank, world)
+    every = slice(None)
+    for backend in ("cpp", "triton"):
+        _use(backend)
+        for name, make, call in _module_cases(G=3):
+            want = _run_module(make, call, d, every, d["weight"], d["bias"])
+            got = _run_module(
+                make, call, d, every, d["weight"][lo:hi], d["bias"][lo:hi],
+                vocab_parallel=fk.VocabParallel(),
+            )  # fmt: skip
+            label = f"{backend} {name} vocab-parallel"
+            assert_close(f"{label} loss", got[0], want[0])
+            assert_close(f"{label} dhidden", got[1], want[1])
+            assert_close(f"{label} dweight", got[2], want[2][lo:hi])
+            assert_close(f"{label} dbias", got[3], want[3][lo:hi])
+
+
+def test_every_module_vocab_parallel_equals_single_process():
+    run_ranks(_vocab_parallel_modules, 2, timeout=600)
+
+
+def _data_parallel_modules(rank, world):
+    B = 8  # 4 completions per rank
+    d = _batch(B, 6, 9, 31, seed=7)
+    rows = slice(rank * B // world, (rank + 1) * B // world)
+    group = dist.group.WORLD
+    _use("cpp")
+    # f-GRPO with G = 8 > rows per rank: every group straddles the ranks; GIFT needs whole
+    # groups (G = 2); the others take any split
+    for name, make, call in _module_cases(G=8):
+        want = _run_module(make, call, d, slice(None), d["weight"], d["bias"])
+        got = _run_module(make, call, d, rows, d["weight"], d["bias"], process_group=group)
+        mean = got[0].clone()
+        dist.all_reduce(mean)
+        label = f"{name} data-parallel"
+        assert_close(f"{label} mean loss over ranks", mean / world, want[0])
+        # DDP averages gradients over the ranks: (1/world)·Σ_r ∇loss_r = ∇(batch loss)
+        for what, g, w in (("dweight", got[2], want[2]), ("dbias", got[3], want[3])):
+            g = g.clone()
+            dist.all_reduce(g)
+            assert_close(f"{label} {what}", g / world, w)
+        assert_close(f"{label} dhidden of this rank's rows", got[1] / world, want[1][rows])
+
+
+def test_every_module_data_parallel_equals_the_whole_batch():
+    run_ranks(_data_parallel_modules, 2, timeout=600)
