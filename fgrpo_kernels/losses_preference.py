@@ -15,6 +15,18 @@ from .losses import FusedLinearFGRPOLoss, _FusedLinearLoss
 from .options import FDOOptions, FGRPOOptions, Level, Reduction, mixing_weight
 
 
+def _pools(module: _FusedLinearLoss, chosen, B: int):
+    """Check `chosen` [B] bool with both pools non-empty — over the whole data-parallel batch
+    with a process_group — and return the batch's (chosen, total) counts (None: this batch)."""
+    dp = module._data_parallel()
+    pools = None
+    if dp is not None:
+        check.tensor("chosen", chosen, shape=(B,), dtypes=(torch.bool,))
+        pools = distributed.global_sum([float(chosen.sum()), B], dp[0])
+    check.chosen("chosen", chosen, B, pools)
+    return pools
+
+
 class FusedLinearFDOLoss(_FusedLinearLoss):
     """FDO: mean_chosen φ₊(r) + mean_rejected φ₋(r), r_i = β Σ_t mask·log(π/π_ref)."""
 
@@ -40,12 +52,7 @@ class FusedLinearFDOLoss(_FusedLinearLoss):
         ref_bias=None,
     ):
         B, T, weight, bias = self._batch(hidden, weight, completion_ids, completion_mask, bias)
-        dp = self._data_parallel()
-        pools = None
-        if dp is not None:  # the pools' sizes over the whole data-parallel batch
-            check.tensor("chosen", chosen, shape=(B,), dtypes=(torch.bool,))
-            pools = distributed.global_sum([float(chosen.sum()), B], dp[0])
-        check.chosen("chosen", chosen, B, pools)
+        dp, pools = self._data_parallel(), _pools(self, chosen, B)
         ref = self._given_or_computed(
             "ref_per_token_logps",
             ref_per_token_logps,
@@ -124,6 +131,7 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
         ref_bias=None,
     ):
         self._batch(pref_hidden, weight, pref_completion_ids, pref_completion_mask, bias, "pref_")
+        _pools(self, chosen, pref_hidden.shape[0])
         check.optional_per_token(
             "pref_ref_per_token_logps", pref_ref_per_token_logps, *pref_hidden.shape[:2]
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -35,7 +36,7 @@ def _child(rank, world, port, fn, args, errors):
         # peer (SIGABRT from gloo's I/O thread)
         dist.barrier()
     except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put((rank, traceback.format_exc()))
+        errors.put((time.monotonic(), rank, traceback.format_exc()))
         raise
     finally:
         if dist.is_initialized():
@@ -62,7 +63,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> None:
     while not errors.empty():
         reports.append(errors.get())
     if reports:
-        rank, tb = sorted(reports)[0]
+        _, rank, tb = sorted(reports)[0]  # the first to fail (its peers fail after it)
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     if hung:
         raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
