@@ -188,3 +188,17 @@ def test_replot_of_an_interrupted_run(tiny_run, tmp_path):
     (out / "meta.json").write_text(json.dumps(meta))
     assert cli.main(["bench", "--replot", "--out", str(out)]) == 0
     assert "interrupted" in (out / "results.md").read_text().splitlines()[0]
+
+
+def test_vocab_parallel_case_on_two_ranks():
+    """The distributed case: 1 and 2 CPU ranks run the same loss (same checksum), each row with
+    per-rank peak memory, time and the bytes sent per call."""
+    rows = {}
+    for impl in ("ours_1rank", "ours_2ranks"):
+        case = Case(impl, "vocab-parallel", "fwd+bwd", 256, 301, 16, "float32", "cpu", 8,
+                    Policy(repeats=1, min_time_s=0.0, timeout_s=240.0))  # fmt: skip
+        rows[impl] = measure.measure(case)
+        assert rows[impl]["status"] == "ok", rows[impl]
+        assert rows[impl]["peak_mem_mib"] > 0 and rows[impl]["time_ms"] > 0
+        assert "bytes sent into collectives per call" in rows[impl]["note"]
+    assert rows["ours_1rank"]["checksum"] == pytest.approx(rows["ours_2ranks"]["checksum"])

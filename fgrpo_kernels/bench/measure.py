@@ -140,7 +140,8 @@ def _checksum(out) -> float:
 def row(case: Case, status: str, note: str = "", **values) -> dict:
     """A result row: the case, its status, and whatever was measured."""
     peer = PEERS.get(case.impl)
-    backend = peer.backend(case.device) if peer and case.workload != "train-step" else ""
+    own = case.workload in ("train-step", "vocab-parallel")
+    backend = peer.backend(case.device) if peer and not own else ""
     return {"case": dataclasses.asdict(case), "status": status, "note": note[:300],
             "backend": backend, **values}  # fmt: skip
 
@@ -148,6 +149,8 @@ def row(case: Case, status: str, note: str = "", **values) -> dict:
 def _unavailable(case: Case) -> str | None:
     if case.workload == "train-step":
         return None
+    if case.workload == "vocab-parallel":
+        return None if case.device == "cpu" else "vocab-parallel runs on CPU ranks (gloo) only"
     peer = PEERS.get(case.impl)
     if peer is None:
         return f"no impl named {case.impl!r}"
@@ -166,6 +169,13 @@ def measure_here(case: Case, cap_memory: bool = False) -> dict:
         return row(case, "unavailable", why)
     policy = case.policy
     job = mem = None
+    if case.workload == "vocab-parallel":  # its ranks measure themselves
+        from . import vocab_parallel
+
+        try:
+            return row(case, "ok", **vocab_parallel.measure(case), process_cpu_s=_cpu_seconds())
+        except Exception as e:  # noqa: BLE001 — every failure is a data point
+            return row(case, "oom" if is_oom(e) else "error", f"{type(e).__name__}: {e}")
     try:
         if case.device == "cuda":
             torch._dynamo.reset()  # in-process: no graph or recompile count leaks between cases
@@ -276,7 +286,7 @@ def measure_exec(case: Case) -> dict:
 
 def measure(case: Case, isolation: str = "fork") -> dict:
     """One case → one row. CUDA runs in this process; CPU in a fresh process."""
-    if case.device == "cuda":
+    if case.device == "cuda" or case.workload == "vocab-parallel":  # its ranks are fresh
         return measure_here(case)
     return {"fork": measure_forked, "exec": measure_exec, "none": measure_here}[isolation](case)
 

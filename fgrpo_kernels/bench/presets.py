@@ -210,6 +210,19 @@ TRAIN_MEMORY = Preset(
     policy=Policy(warmup_small=True, repeats=1, min_time_s=0.0, timeout_s=1800.0, max_mem_gib=12.0),
 )
 
+# The fused GRPO loss with the vocabulary over 2 CPU ranks (gloo) against 1 rank: per-rank peak
+# memory and time, one thread per rank (`vocab_parallel.py`).
+CPU_DISTRIBUTED = Preset(
+    name="cpu-distributed",
+    device="cpu",
+    tokens=(4096, 16384, 65536),
+    vocab=(32768,),
+    hidden=(128,),
+    dtype=("float32",),
+    matrix=matrix("vocab-parallel", "fwd+bwd", ("ours_1rank", "ours_2ranks")),
+    policy=Policy(repeats=3, min_time_s=0.0, timeout_s=1800.0),
+)
+
 # Seconds, for tests and for dry-running a preset's logic at toy size.
 TINY = Preset(
     name="tiny",
@@ -226,7 +239,10 @@ TINY = Preset(
     policy=Policy(repeats=2, min_time_s=0.0, timeout_s=120.0),
 )
 
-PRESETS = {p.name: p for p in (CPU_QUICK, CPU_LONG, CPU_FULL, GPU, GPU_QUICK, TRAIN_MEMORY, TINY)}
+PRESETS = {
+    p.name: p
+    for p in (CPU_QUICK, CPU_LONG, CPU_FULL, GPU, GPU_QUICK, TRAIN_MEMORY, CPU_DISTRIBUTED, TINY)
+}
 
 
 def default_preset(device: str, quick: bool) -> Preset:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .peers import ORDER
 from .train_step import IMPLS as TRAIN_IMPLS
+from .vocab_parallel import IMPLS as RANK_IMPLS
 from .workload import PASSES, WORKLOADS, flops
 
 COLUMNS = (
@@ -20,8 +21,8 @@ FLOATS = ("time_ms", "peak_mem_mib", "flop_floor_ratio", "cpu_time_ms", "compile
           "process_cpu_s", "checksum")  # fmt: skip
 # the floor first, ours last, the peers in between
 _MIDDLE = [i for i in dict.fromkeys(ORDER + TRAIN_IMPLS) if i not in ("backbone", "ours")]
-IMPL_ORDER = ("backbone", *_MIDDLE, "ours")
-WORKLOAD_ORDER = (*WORKLOADS, "train-step")
+IMPL_ORDER = ("backbone", *_MIDDLE, "ours", *RANK_IMPLS)
+WORKLOAD_ORDER = (*WORKLOADS, "train-step", "vocab-parallel")
 
 
 def flatten(result: dict, peak_flops: float | None) -> dict:
@@ -132,17 +133,18 @@ def ratios(rows: list[dict]) -> list[str]:
         panels.setdefault(panel_key(r), []).append(r)
     out = []
     for key in sorted(panels, key=lambda k: _sort_key(panels[k][0])):
-        impls = sorted(
-            {r["impl"] for r in panels[key]} - {"ours"}, key=lambda i: _index(IMPL_ORDER, i)
-        )
+        present = {r["impl"] for r in panels[key]}
+        # the vocab-parallel panel compares ours on 2 ranks with ours on 1
+        base = "ours" if "ours" in present else "ours_2ranks"
+        impls = sorted(present - {base}, key=lambda i: _index(IMPL_ORDER, i))
         for impl in impls:
-            pair = largest_common(panels[key], impl)
+            pair = largest_common(panels[key], impl, base)
             if pair is None:
                 continue
             a, b = pair
             workload, pass_, V, H, dtype, B = key
             out.append(
-                f"`ours` / `{impl}` ({workload} {pass_}, N={a['tokens']}, B={B}, V={V}, H={H}, "
+                f"`{base}` / `{impl}` ({workload} {pass_}, N={a['tokens']}, B={B}, V={V}, H={H}, "
                 f"{dtype}): memory {_ratio(a['peak_mem_mib'], b['peak_mem_mib'])}, "
                 f"time {_ratio(a['time_ms'], b['time_ms'])}"
             )
