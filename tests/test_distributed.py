@@ -130,6 +130,10 @@ def _comm_volume(rank, world, out_path):
     vp = fk.VocabParallel()
     fk.fused_linear_logprobs(h, w, y, vocab_parallel=vp)  # resolves the layout (cached)
     distributed.comm_bytes(reset=True)
+    with torch.no_grad():
+        fk.fused_linear_logprobs(h, w, y, vocab_parallel=vp)
+    plain = distributed.comm_bytes(reset=True)
+    assert plain == {"all_reduce": 3 * 4 * N}, plain  # max, sum-exp, logp
     lp, ent = fk.fused_linear_logprobs(h, w, y, return_entropy=True, vocab_parallel=vp)
     fwd = distributed.comm_bytes(reset=True)
     (lp.sum() + ent.sum()).backward()
@@ -357,3 +361,17 @@ def _data_parallel_modules(rank, world):
 
 def test_every_module_data_parallel_equals_the_whole_batch():
     run_ranks(_data_parallel_modules, 2, timeout=600)
+
+
+def _readme_example(rank, world, source):
+    _use("cpp")
+    exec(compile(source, "README.md distributed example", "exec"), {})
+
+
+def test_readme_distributed_example_runs_on_two_ranks():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (source,) = re.findall(r"<!-- distributed-example -->\n```python\n(.*?)```", readme, re.S)
+    run_ranks(_readme_example, 2, source)
