@@ -29,8 +29,8 @@ STYLE = {
     "ours": ("#d62728", "*", "fgrpo_kernels (ours)"),
     "backbone": ("#000000", "h", "backbone alone"),
     "trl_liger": ("#17becf", "<", "TRL + Liger GRPO loss"),
-    "ours_1rank": ("#e377c2", "o", "ours, whole vocabulary on 1 rank"),
-    "ours_2ranks": ("#d62728", "*", "ours, vocabulary over 2 ranks (per rank)"),
+    "ours_1rank": ("#e377c2", "p", "ours, whole vocabulary on 1 rank"),
+    "ours_2ranks": ("#ff9896", "8", "ours, vocabulary over 2 ranks (per rank)"),
 }
 OTHER = ("#bcbd22", "d", None)
 METRICS = (
