@@ -12,11 +12,11 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class GracefulStop:
-    """Context manager: on the first signal call `on_first()` and print `message`; on the next,
-    raise KeyboardInterrupt. `signalled` holds the first signal's name (None if none came).
-    Outside the main thread (where handlers cannot be installed) it does nothing."""
+    """Context manager: on the first signal call `on_first()` and print `message` (if any); on
+    the next, raise KeyboardInterrupt. `signalled` holds the first signal's name (None if none
+    came). Outside the main thread (where handlers cannot be installed) it does nothing."""
 
-    def __init__(self, on_first: Callable[[], None], message: str):
+    def __init__(self, on_first: Callable[[], None], message: str | None):
         self.on_first, self.message = on_first, message
         self.signalled: str | None = None
         self._previous: dict = {}
@@ -25,7 +25,8 @@ class GracefulStop:
         if self.signalled is not None:
             raise KeyboardInterrupt
         self.signalled = signal.Signals(signum).name
-        print(f"\n{self.signalled}: {self.message}", file=sys.stderr, flush=True)
+        if self.message:
+            print(f"\n{self.signalled}: {self.message}", file=sys.stderr, flush=True)
         self.on_first()
 
     def __enter__(self) -> GracefulStop:
