@@ -190,10 +190,11 @@ def _run(explicit: dict) -> int:
     owned = launch is not None and parallel.init(launch)
     # every rank stops here, or none does, before any of them touches the run folder
     error = parallel.first_error(error)
-    code = fail(error) if error is not None and rank == 0 else 2
+    code, together = (fail(error) if rank == 0 else 2), True
     if error is None:
-        code = _train(*checked, rank)
-    parallel.shutdown(owned)
+        code, together = _train(*checked, rank)
+    if together:  # else a peer may be waiting in a collective: exiting lets torchrun end it
+        parallel.shutdown(owned)
     return code
 
 
@@ -222,7 +223,8 @@ def _check(explicit: dict, launch) -> tuple:
     return opts, cfg, device, source, tokenizer, plan, checkpoint
 
 
-def _train(opts, cfg, device, source, tokenizer, plan, checkpoint, rank: int) -> int:
+def _train(opts, cfg, device, source, tokenizer, plan, checkpoint, rank: int):
+    """(exit code, whether every rank ends here too)."""
     import torch
 
     from . import loading, parallel
@@ -244,11 +246,11 @@ def _train(opts, cfg, device, source, tokenizer, plan, checkpoint, rank: int) ->
         error = str(e)
     error = parallel.first_error(error)
     if error is not None:
-        return fail(error) if rank == 0 else 2
+        return (fail(error) if rank == 0 else 2), True
     try:
         trainer = loading.make_trainer(opts, cfg, plan, tokenizer, models, checkpoint)
     except (ValueError, OSError) as e:
-        return fail(e, rank)
+        return fail(e, rank), False
     out, main = Path(opts["out"]), trainer.ranks.main
     if main:
         if opts["overwrite"]:
@@ -265,9 +267,9 @@ def _train(opts, cfg, device, source, tokenizer, plan, checkpoint, rank: int) ->
         try:
             history = trainer.train()
         except RewardError as e:
-            return fail(e, rank)
+            return fail(e, rank), False
         # the first signal of any rank (torchrun passes its own on to every rank)
         signalled = next((s for s in trainer.ranks.gather(stop.signalled) if s), None)
         if main:
             finish(trainer, history, time.perf_counter() - start, loss_name(cfg), signalled)
-    return 130 if signalled else 0
+    return (130 if signalled else 0), True

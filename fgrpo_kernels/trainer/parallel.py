@@ -23,8 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import hf
 
-MODES = ("none", "ddp", "fsdp")
-
 
 @dataclass(frozen=True)
 class Launch:
