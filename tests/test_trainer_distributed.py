@@ -51,6 +51,7 @@ def test_torchrun_ddp_logs_once_per_step_and_resumes_exactly(tmp_path):
     out = tmp_path / "run"
     done = torchrun(out, "--steps", "4", "--save-every", "2")
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "error" not in done.stderr.lower(), done.stderr[-3000:]
     first = metrics(out)
     assert [r["step"] for r in first] == [1, 2, 3, 4]
     assert all(r["rollouts"] == 2 * 4 * 4 for r in first)  # both ranks' completions
@@ -60,7 +61,7 @@ def test_torchrun_ddp_logs_once_per_step_and_resumes_exactly(tmp_path):
     for name in ("final", "checkpoint-4"):  # as if killed at once after step 4
         shutil.rmtree(out / name)
     again = torchrun(out, "--steps", "4", "--resume")
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.returncode == 0 and "error" not in again.stderr.lower(), again.stderr[-3000:]
     assert "(steps 3-4, resumed)" in again.stdout
     resumed = metrics(out)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]

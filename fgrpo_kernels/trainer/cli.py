@@ -190,9 +190,10 @@ def _run(explicit: dict) -> int:
     owned = launch is not None and parallel.init(launch)
     # every rank stops here, or none does, before any of them touches the run folder
     error = parallel.first_error(error)
-    code, together = (fail(error) if rank == 0 else 2), True
     if error is None:
         code, together = _train(*checked, rank)
+    else:
+        code, together = (fail(error) if rank == 0 else 2), True
     if together:  # else a peer may be waiting in a collective: exiting lets torchrun end it
         parallel.shutdown(owned)
     return code

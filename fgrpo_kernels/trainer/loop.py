@@ -227,8 +227,8 @@ class Trainer:
         dapo = cfg.loss == "grpo" and cfg.loss_type == "dapo"
         num_items = None
         if dapo:
-            # the whole rollout's tokens over every rank (at least 1: empty completions count
-            # 0), per rank: DDP and FSDP2 average the ranks' gradients, TRL's normaliser
+            # the tokens of the whole rollout on every rank (at least 1: empty completions
+            # count 0), divided by the ranks, whose gradients DDP and FSDP2 average (as TRL)
             tokens = self.ranks.total(rollout.completion_mask.sum()).clamp(min=1)
             num_items = float(tokens) / self.ranks.world
         scale = 1.0 if dapo else 1.0 / n_micro
