@@ -169,11 +169,14 @@ def fail(error: Exception | str, rank: int = 0) -> int:
     return 2
 
 
+STOPPED = f"{PROG}: stopped at once (the last complete checkpoint is kept)"
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(vars(args))
-    except KeyboardInterrupt:
-        print(f"{PROG}: stopped at once (the last complete checkpoint is kept)", file=sys.stderr)
+    except KeyboardInterrupt:  # before the run's own handler is installed
+        print(STOPPED, file=sys.stderr)
         return 130
 
 
@@ -263,7 +266,7 @@ def _train(opts, cfg, device, source, tokenizer, plan, checkpoint, rank: int):
     message = (
         "finishing this step, then writing final/, summary.json, training.png; again: stop now"
     )
-    with GracefulStop(trainer.request_stop, message if main else None) as stop:
+    with GracefulStop(trainer.request_stop, message if main else None, STOPPED) as stop:
         start = time.perf_counter()
         try:
             history = trainer.train()

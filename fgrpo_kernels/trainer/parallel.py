@@ -3,9 +3,9 @@ policy, and the few collectives a step needs.
 
 A run of N ranks: every rank draws the same seeded prompts and keeps its own slice, samples
 with its own seed, and computes the loss on its completions; DDP all-reduces the gradients
-(FSDP2 reduce-scatters them), averaged over the ranks. The losses run inside the wrapped
-model's forward (`hf.call_in_forward`), where FSDP2 holds the full lm_head weight and around
-which DDP's and FSDP2's hooks run. Metrics are reduced so that every rank holds the global ones
+(FSDP2 reduce-scatters them), averaged over the ranks. The losses run inside one forward call
+of the wrapped model (`forward`), where FSDP2 holds the full lm_head weight and around which
+DDP's and FSDP2's hooks run. Metrics are reduced so that every rank holds the global ones
 (rewards gathered, O(B); other scalars averaged); rank 0 alone writes the run folder.
 """
 
@@ -196,8 +196,8 @@ class _Call(torch.nn.Module):
 
 def wrap(model, ranks: Ranks):
     """What the training forward goes through (`forward`): DDP around the model, the causal LM
-    sharded in place by FSDP2 (it is the root: generate() and the PEFT wrapper call it, not
-    the PeftModel), or the causal LM itself."""
+    sharded in place by FSDP2 (the root is the causal LM, not a PeftModel around it: generate()
+    calls the causal LM), or the causal LM itself."""
     lm = hf.causal_lm(model)
     device = next(lm.parameters()).device
     if ranks.mode == "ddp":
