@@ -87,6 +87,7 @@ def cases(root):
         (["--out", fresh, "--task-steps", "1x"], "--task-steps: expected digits"),
         (["--out", fresh, "--threads", "0"], "--threads: expected an int >= 1"),
         (["--out", fresh, "--device", "tpu"], "--device: expected auto, cpu, cuda or cuda:N"),
+        (["--out", fresh, "--fsdp"], "--fsdp: FSDP2 shards the model over the ranks of a torchrun"),
     ]
 
 

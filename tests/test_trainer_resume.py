@@ -191,3 +191,31 @@ def test_the_two_commands_as_a_user_types_them(tmp_path, monkeypatch):
     names = sorted(p.name for p in Path(d).glob("checkpoint-*"))
     assert names == [f"checkpoint-{n}" for n in (10, 20, 30, 40, 50, 60)]
     assert run_dir.checkpoint_step(Path(d) / "final") == 60
+
+
+FINALISER = """
+import os, signal, time
+from fgrpo_kernels.trainer.signals import GracefulStop
+
+class Dropped:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C lands inside a finaliser
+        time.sleep(1)
+
+with GracefulStop(lambda: print("finishing", flush=True), None, "stopped at once"):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(1)
+    Dropped()
+    print("went on", flush=True)
+"""
+
+
+def test_regression_a_second_signal_inside_a_finaliser_still_stops():
+    """A KeyboardInterrupt raised in a __del__ is printed with a traceback and dropped (seen in
+    test_a_second_signal_stops_at_once under load); the second signal exits at once instead."""
+    done = subprocess.run(
+        [sys.executable, "-c", FINALISER], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stdout.splitlines() == ["finishing"], done.stdout
+    assert done.stderr.strip() == "stopped at once" and "Traceback" not in done.stderr

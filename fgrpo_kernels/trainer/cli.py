@@ -5,7 +5,9 @@ With only `--out DIR` it builds the embedded tiny Llama (no download) and trains
 scratch on the CPU. `--model PATH` trains a Hugging Face checkpoint, `--prompts FILE` your
 prompts, `--reward` your reward functions. DIR receives metrics.jsonl, training.png,
 summary.json, checkpoint-N/ (every --save-every steps) and final/; `--resume` continues the run
-in DIR from its last checkpoint. User errors are one line, found before the model is loaded;
+in DIR from its last checkpoint. `torchrun --nproc-per-node N fgrpo train ...` trains
+data-parallel (DDP, or FSDP2 with --fsdp): N × --prompts-per-step prompts per step, rank 0
+writes DIR. User errors are one line, found before the model is loaded;
 Ctrl-C finishes the step and writes final/, the summary and the plots (exit 130).
 """
 
@@ -53,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--lora-r", type=int, metavar="R", help="train a LoRA adapter of rank R (PEFT); 0: off")
     a("--lora-alpha", type=float, help="LoRA alpha", shown="2 x --lora-r")
     a("--lora-target", help="LoRA target modules, comma-separated")
+    a("--fsdp", action="store_true", help="under torchrun: shard the model with FSDP2 (default: "
+      "DDP, a full copy per rank)")  # fmt: skip
     a = _adder(parser.add_argument_group("data and rewards"))
     a("--prompts", metavar="FILE", help=".jsonl/.csv or datasets folder", shown="digit task")
     a("--prompt-column", metavar="NAME", help="the prompt column of --prompts")
@@ -155,45 +159,80 @@ def loss_name(cfg: TrainConfig) -> str:
     return name
 
 
-def fail(error: Exception) -> int:
-    """One line on stderr; a message that starts with an option's name shows its flag."""
+def fail(error: Exception | str, rank: int = 0) -> int:
+    """One line on stderr; a message that starts with an option's name shows its flag. A rank
+    other than 0 of a torchrun launch names itself."""
     name, sep, rest = str(error).partition(": ")
     message = f"--{name.replace('_', '-')}: {rest}" if sep and name in FLAGS else str(error)
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    where = f" (rank {rank})" if rank else ""
+    print(f"{PROG}: error{where}: {' '.join(message.split())}", file=sys.stderr)
     return 2
+
+
+STOPPED = f"{PROG}: stopped at once (the last complete checkpoint is kept)"
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(vars(args))
-    except KeyboardInterrupt:
-        print(f"{PROG}: stopped at once (the last complete checkpoint is kept)", file=sys.stderr)
+    except KeyboardInterrupt:  # before the run's own handler is installed
+        print(STOPPED, file=sys.stderr)
         return 130
 
 
 def _run(explicit: dict) -> int:
-    from . import preflight
-    from .rewards import RewardError
+    from . import parallel
 
+    launch = parallel.launch_env()
+    rank = 0 if launch is None else launch.rank
+    checked, error = None, None
     try:
-        opts = resolve_options(explicit)
-        cfg = make_config(opts)
-        preflight.check_packages(opts)
-        device = preflight.device(opts["device"])
-        source = preflight.model_source(opts["model"])
-        tokenizer = preflight.check_model(source) if source is not None else None
-        plan = preflight.load_data(opts)
-        checkpoint = run_dir.latest_checkpoint(opts["out"]) if opts["resume"] else None
-        if checkpoint is not None and run_dir.checkpoint_step(checkpoint) >= cfg.steps:
-            raise ValueError(
-                f"steps: the run in {opts['out']!r} has done {run_dir.checkpoint_step(checkpoint)} "
-                f"steps; pass --steps N with more than that to continue it"
-            )
+        checked = _check(explicit, launch)
     except (ValueError, TypeError) as e:
-        return fail(e)
+        error = str(e)
+    owned = launch is not None and parallel.init(launch)
+    # every rank stops here, or none does, before any of them touches the run folder
+    error = parallel.first_error(error)
+    if error is None:
+        code, together = _train(*checked, rank)
+    else:
+        code, together = (fail(error) if rank == 0 else 2), True
+    if together:  # else a peer may be waiting in a collective: exiting lets torchrun end it
+        parallel.shutdown(owned)
+    return code
+
+
+def _check(explicit: dict, launch) -> tuple:
+    """Every check that needs no model weights; ValueError/TypeError name the option."""
+    from . import preflight
+
+    opts = resolve_options(explicit)
+    cfg = make_config(opts)
+    if cfg.fsdp and launch is None:
+        raise ValueError(
+            "fsdp: FSDP2 shards the model over the ranks of a torchrun launch: torchrun "
+            "--nproc-per-node N fgrpo train ... --fsdp"
+        )
+    preflight.check_packages(opts)
+    device = preflight.device(opts["device"], None if launch is None else launch.local_rank)
+    source = preflight.model_source(opts["model"])
+    tokenizer = preflight.check_model(source) if source is not None else None
+    plan = preflight.load_data(opts)
+    checkpoint = run_dir.latest_checkpoint(opts["out"]) if opts["resume"] else None
+    if checkpoint is not None and run_dir.checkpoint_step(checkpoint) >= cfg.steps:
+        raise ValueError(
+            f"steps: the run in {opts['out']!r} has done {run_dir.checkpoint_step(checkpoint)} "
+            f"steps; pass --steps N with more than that to continue it"
+        )
+    return opts, cfg, device, source, tokenizer, plan, checkpoint
+
+
+def _train(opts, cfg, device, source, tokenizer, plan, checkpoint, rank: int):
+    """(exit code, whether every rank ends here too)."""
     import torch
 
-    from . import loading
+    from . import loading, parallel
+    from .rewards import RewardError
 
     torch.set_num_threads(opts["threads"])
     try:
@@ -203,25 +242,38 @@ def _run(explicit: dict) -> int:
     except ImportError:  # pragma: no cover - checked above
         pass
 
+    torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and every run
+    models, error = None, None
     try:
-        trainer = loading.build_trainer(opts, cfg, plan, source, tokenizer, checkpoint, device)
+        models = loading.load_models(opts, cfg, source, checkpoint, device)
     except (ValueError, OSError) as e:
-        return fail(e)
-    out = Path(opts["out"])
-    if opts["overwrite"]:
-        run_dir.clear_run(out)
-    run_dir.write_json(out / "run.json", {"options": opts})  # on resume: the new --steps etc.
+        error = str(e)
+    error = parallel.first_error(error)
+    if error is not None:
+        return (fail(error) if rank == 0 else 2), True
+    try:
+        trainer = loading.make_trainer(opts, cfg, plan, tokenizer, models, checkpoint)
+    except (ValueError, OSError) as e:
+        return fail(e, rank), False
+    out, main = Path(opts["out"]), trainer.ranks.main
+    if main:
+        if opts["overwrite"]:
+            run_dir.clear_run(out)
+        run_dir.write_json(out / "run.json", {"options": opts})  # on resume: the new --steps
     from .finish import finish
     from .signals import GracefulStop
 
     message = (
         "finishing this step, then writing final/, summary.json, training.png; again: stop now"
     )
-    with GracefulStop(trainer.request_stop, message) as stop:
+    with GracefulStop(trainer.request_stop, message if main else None, STOPPED) as stop:
         start = time.perf_counter()
         try:
             history = trainer.train()
         except RewardError as e:
-            return fail(e)
-        finish(trainer, history, time.perf_counter() - start, loss_name(cfg), stop.signalled)
-    return 130 if stop.signalled else 0
+            return fail(e, rank), False
+        # the first signal of any rank (torchrun passes its own on to every rank)
+        signalled = next((s for s in trainer.ranks.gather(stop.signalled) if s), None)
+        if main:
+            finish(trainer, history, time.perf_counter() - start, loss_name(cfg), signalled)
+    return (130 if signalled else 0), True

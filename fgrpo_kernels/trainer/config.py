@@ -28,7 +28,8 @@ class TrainConfig:
     `num_updates` optimizer updates on it, each accumulating gradients over `grad_accum`
     micro-batches of whole groups. With `num_updates > 1` the GRPO family clips the ratio to
     the rollout's (old) log-probs; f-GRPO, GIFT and f-HAL have no ratio and simply take more
-    steps on the same samples.
+    steps on the same samples. Under torch.distributed (torchrun) the counts are per rank: a
+    step of N ranks samples N × prompts_per_step prompts.
     """
 
     out_dir: str = "fgrpo-out"
@@ -71,6 +72,8 @@ class TrainConfig:
     eval_temperature: float = 0.0
     pass_threshold: float = 1.0
     chance_samples: int = 256
+    # data parallelism (under torch.distributed): DDP, or FSDP2 with fsdp
+    fsdp: bool = False
     # bookkeeping
     seed: int = 0
     save_every: int = 0
@@ -124,6 +127,8 @@ class TrainConfig:
             )
         if not 0.0 <= self.fhal_lam <= 1.0:
             raise ValueError(f"fhal_lam: expected a number in [0, 1]; got {self.fhal_lam!r}")
+        if not isinstance(self.fsdp, bool):
+            raise TypeError(f"fsdp: expected a bool; got {self.fsdp!r}")
         if self.beta is None:
             self.beta = DEFAULT_BETA[self.loss]
         check.real("beta", self.beta)

@@ -18,32 +18,35 @@ from .data import as_rows
 def evaluate(trainer) -> dict[str, float]:
     """eval/reward_mean, eval/pass_rate (total reward >= cfg.pass_threshold) and the mean of
     each reward function, over one completion per eval row: greedy at eval_temperature 0,
-    else sampled with a generator seeded by (seed, step)."""
-    cfg, rows = trainer.cfg, trainer.eval_rows
+    else sampled with a generator seeded by (seed, step). Under torch.distributed each rank
+    scores its share of the rows (padded to equal shares: FSDP2's forwards are collectives)
+    and every rank returns the totals of all of them."""
+    cfg, rows, ranks = trainer.cfg, trainer.eval_rows, trainer.ranks
+    share = -(-len(rows) // ranks.world)
+    mine = ranks.mine(rows, share)
+    padded = mine + rows[: share - len(mine)] if len(mine) < share else mine
     device = hf.causal_lm(trainer.model).device
     devices = [device] if device.type == "cuda" else []
     chunk = cfg.prompts_per_step * cfg.num_generations
-    totals, sums = [], {}
+    totals, terms = [], []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(cfg.seed * 1_000_003 + trainer.step_count)
-        for i in range(0, len(rows), chunk):
-            part = rows[i : i + chunk]
-            batch = hf.sample(
-                trainer.model, trainer.tokenizer, [r["prompt"] for r in part], 1,
-                cfg.max_new_tokens, cfg.eval_temperature,
-            )  # fmt: skip
-            total, metrics, _ = trainer.score(part, batch, 1)
-            totals.append(total.cpu())
-            for name, value in metrics.items():
-                if name.endswith("/mean"):
-                    sums[name] = sums.get(name, 0.0) + value * len(part)
-    total = torch.cat(totals)
+        for i in range(0, share, chunk):
+            part = padded[i : i + chunk]
+            batch = trainer.sample([r["prompt"] for r in part], 1, cfg.eval_temperature)
+            total, per_func, _, _ = trainer.score(part, batch, 1)
+            keep = max(min(len(mine) - i, len(part)), 0)  # the padding is not counted
+            totals.append(total[:keep].cpu())
+            terms.append(per_func[:keep])
+    every = ranks.gather((torch.cat(totals), torch.cat(terms)))
+    total = torch.cat([t for t, _ in every])
     scored = total[~total.isnan()]
     out = {
         "eval/reward_mean": float(scored.mean()) if scored.numel() else 0.0,
         "eval/pass_rate": float((total >= cfg.pass_threshold).float().mean()),
     }
-    out.update({f"eval/{name}": value / len(rows) for name, value in sums.items()})
+    stats = trainer.rewards.statistics(torch.cat([t for _, t in every]))
+    out.update({f"eval/{k}": v for k, v in stats.items() if k.endswith("/mean")})
     return out
 
 
@@ -70,6 +73,6 @@ def chance_level(trainer, n: int) -> float | None:
                 break
     ids = ids.masked_fill(mask == 0, pad)
     batch = hf.Batch(ids, mask, ids, mask)  # only the completions are read
-    total, _, _ = trainer.score(rows, batch, 1)
+    total = trainer.score(rows, batch, 1)[0]
     scored = total[~total.isnan()]
     return float(scored.mean()) if scored.numel() else None

@@ -2,13 +2,16 @@
 
 The training forward stops at the backbone: `completion_hidden` returns the last hidden state
 at the positions that predict the completion tokens, and the loss takes it with the lm_head
-weight. Log-probs that need no gradient (old policy, reference) come from the same hidden
-state through the forward-only fused kernel. With PEFT the base model is unwrapped, and the
+weight. Both run inside one forward call of the model (`call_in_forward`), so DDP's and
+FSDP2's hooks run around them and an FSDP2-sharded model holds its full parameters there.
+Log-probs that need no gradient (old policy, reference) come from the same hidden state
+through the forward-only fused kernel. With PEFT the base model is unwrapped, and the
 reference is the model with its adapter disabled.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
@@ -53,6 +56,14 @@ def lm_head(model) -> tuple[torch.Tensor, torch.Tensor | None]:
     return head.weight, head.bias
 
 
+def call_in_forward(lm, fn):
+    """`fn(lm)`, through lm's `fgrpo_call` when it has one: an FSDP2-sharded model registers
+    it as a forward method (`parallel.shard`), so that FSDP2 gathers the parameters around it
+    and reduce-scatters their gradients after it."""
+    method = getattr(lm, "fgrpo_call", None)
+    return fn(lm) if method is None else method(fn)
+
+
 def completion_hidden(model, input_ids, attention_mask, completion_len: int) -> torch.Tensor:
     """Last hidden state [B, T, H] at the positions predicting the last T tokens (no logits)."""
     lm = causal_lm(model)
@@ -82,9 +93,11 @@ class Batch:
 
 @dataclass
 class Rollout(Batch):
-    """A sampled batch with its rewards [B], advantages [B] and fixed log-probs [B, T]."""
+    """A sampled batch with its rewards [B] (each function's: reward_terms [B, F]), advantages
+    [B] and fixed log-probs [B, T]."""
 
     rewards: torch.Tensor | None = None
+    reward_terms: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
@@ -104,16 +117,23 @@ def _take(value, sl):
     return value[sl]
 
 
+def completion_logps(lm, batch: Batch, temperature: float) -> torch.Tensor:
+    """Per-token log-probs [B, T] (0 where masked) of the completions by the fused kernel."""
+    T = batch.completion_ids.shape[1]
+    hidden = completion_hidden(lm, batch.input_ids, batch.attention_mask, T)
+    weight, bias = lm_head(lm)
+    targets = batch.completion_ids.masked_fill(batch.completion_mask == 0, -100)
+    return fused_linear_logprobs(hidden, weight, targets, bias, temperature)
+
+
 @torch.no_grad()
 def logps_no_grad(model, batch: Batch, temperature: float, disable_adapter: bool = False):
-    """Per-token log-probs [B, T] (0 where masked) by the forward-only fused kernel."""
+    """`completion_logps` without gradient, inside the forward of the causal LM in `model`
+    (with the PEFT adapter disabled if asked)."""
     ctx = model.disable_adapter() if disable_adapter else nullcontext()
     with ctx:
-        T = batch.completion_ids.shape[1]
-        hidden = completion_hidden(model, batch.input_ids, batch.attention_mask, T)
-        weight, bias = lm_head(model)
-        targets = batch.completion_ids.masked_fill(batch.completion_mask == 0, -100)
-        return fused_linear_logprobs(hidden, weight, targets, bias, temperature)
+        fn = functools.partial(completion_logps, batch=batch, temperature=temperature)
+        return call_in_forward(causal_lm(model), fn)
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -124,9 +144,12 @@ def completion_mask(completion_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompts, num_generations, max_new_tokens, temperature) -> Batch:
+def sample(
+    model, tokenizer, prompts, num_generations, max_new_tokens, temperature, synced=False
+) -> Batch:
     """G completions per prompt by ancestral sampling at `temperature` (no top-k / top-p;
-    temperature 0: greedy); the G rows of one prompt are contiguous."""
+    temperature 0: greedy); the G rows of one prompt are contiguous. `synced`: every rank runs
+    max_new_tokens forwards (FSDP2's forwards are collectives), as HF's synced_gpus."""
     device = causal_lm(model).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
@@ -138,6 +161,7 @@ def sample(model, tokenizer, prompts, num_generations, max_new_tokens, temperatu
         num_return_sequences=num_generations,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        synced_gpus=synced,
     )
     P = enc["input_ids"].shape[1]
     ids = out[:, P:]

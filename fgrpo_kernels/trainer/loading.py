@@ -56,24 +56,25 @@ def load_policy(opts: dict, source: str | None, checkpoint: Path | None):
     return load_base(str(checkpoint), opts["seed"])
 
 
-def build_trainer(
-    opts: dict,
-    cfg: TrainConfig,
-    plan: Plan,
-    source,
-    tokenizer,
-    checkpoint: Path | None,
-    device: str = "cpu",
-) -> Trainer:
-    """The Trainer of the run on `device`, resumed from `checkpoint` when given (the reference
-    is then the run's original model, reloaded, not the checkpoint)."""
+def load_models(opts: dict, cfg: TrainConfig, source, checkpoint: Path | None, device: str):
+    """(policy, reference or None) on `device`: on resume the reference is the run's original
+    model, reloaded, not the checkpoint (None: the Trainer copies the policy, or disables the
+    adapter)."""
     policy = load_policy(opts, source, checkpoint).to(device)
-    tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
-    task = PatternTask(steps=tuple(int(c) for c in opts["task_steps"]))
-    ref = None
     uses_ref = not (cfg.loss == "grpo" and cfg.beta == 0.0)
     if checkpoint is not None and uses_ref and not opts["lora_r"]:
-        ref = load_base(source, opts["seed"]).to(device)
+        return policy, load_base(source, opts["seed"]).to(device)
+    return policy, None
+
+
+def make_trainer(
+    opts: dict, cfg: TrainConfig, plan: Plan, tokenizer, models, checkpoint: Path | None
+) -> Trainer:
+    """The Trainer of the run (resumed from `checkpoint` when given); under torch.distributed
+    this wraps the policy (DDP / FSDP2), a collective."""
+    policy, ref = models
+    tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
+    task = PatternTask(steps=tuple(int(c) for c in opts["task_steps"]))
     prompts = plan.rows if plan.rows is not None else task.prompts
     eval_rows = plan.eval_rows
     if eval_rows is None and plan.rows is None and cfg.eval_every:

@@ -4,12 +4,15 @@ Per step: G completions for each of `prompts_per_step` prompts; rewards from the
 function; advantages by group normalisation; reference (and, with several updates per rollout,
 old) log-probs by the forward-only fused kernel; then `num_updates` optimizer updates, each
 accumulating gradients over micro-batches of whole groups. The loss always takes the last
-hidden state and the lm_head weight: the training forward never produces logits.
+hidden state and the lm_head weight: the training forward never produces logits. Under
+torch.distributed each rank does this on its own prompts, DDP or FSDP2 averages the gradients
+and rank 0 writes the run folder (`parallel.py`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 import time
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..reference import group_normalize
-from . import evaluation, hf, rng, run_dir, scoring
+from . import checkpoint, evaluation, hf, parallel, run_dir, scoring
 from .config import TrainConfig
 from .data import PromptSampler, as_rows
 from .hf import Preferences, Rollout
@@ -39,6 +42,12 @@ class Trainer:
     preference_data (f-HAL): a callable (n, rng) -> n dicts {"prompt", "chosen", "rejected"},
     or a sequence of such dicts. ref_model: a frozen reference; by default a frozen copy of the
     initial model, or the adapter-disabled model for PEFT.
+
+    With a torch.distributed process group initialised (torchrun), the run is data-parallel:
+    `prompts_per_step` prompts per rank, the model wrapped in DDP (FSDP2 with `config.fsdp`,
+    in place; pass no `optimizer` then, the trainer builds it over the sharded parameters),
+    global metrics on every rank, and the run folder written by rank 0 (`save`,
+    `state_dict` and `train` are collectives: every rank calls them).
     """
 
     def __init__(
@@ -65,7 +74,16 @@ class Trainer:
         self.rng = random.Random(config.seed)
         self.loss_fn = config.loss_module()
         hf.lm_head(model)  # fail early on heads the fused loss cannot take
+        self.ranks = parallel.current(config.fsdp)
+        if optimizer is not None and self.ranks.mode == "fsdp":
+            raise ValueError(
+                "optimizer: with fsdp=True the trainer shards the model in place and builds the "
+                "optimizer over the sharded parameters; pass none"
+            )
         self.ref_model, self.ref_is_adapter = self._reference(ref_model)
+        self.wrapped = parallel.wrap(model, self.ranks)
+        if self.ref_model is not None and self.ranks.mode == "fsdp":
+            parallel.shard(hf.causal_lm(self.ref_model), hf.causal_lm(model).device)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer or torch.optim.AdamW(
             params, lr=config.lr, weight_decay=config.weight_decay
@@ -77,6 +95,7 @@ class Trainer:
         self.step_count = 0
         self.chance: float | None = None
         self.resumed = False
+        self.restored_rng: dict | None = None  # this rank's random streams, on resume
         self.stop_requested = False
         self.start_step = 0  # the step this session of `train` started after
 
@@ -96,15 +115,18 @@ class Trainer:
         return copy.deepcopy(self.model).eval().requires_grad_(False), False
 
     def _draw(self, source, n):
+        """n items for this rank: every rank draws the same n per rank and keeps its slice."""
+        total = n * self.ranks.world
         if callable(source):
-            return list(source(n, self.rng))
+            return self.ranks.mine(list(source(total, self.rng)), n)
         source = list(source)
-        return self.rng.sample(source, n) if len(source) >= n else self.rng.choices(source, k=n)
+        pick = self.rng.sample if len(source) >= total else self.rng.choices
+        return self.ranks.mine(pick(source, k=total), n)
 
     def _draw_rows(self, n: int) -> list[dict]:
         if self.sampler is not None:
-            return self.sampler.draw(n)
-        return as_rows(self.prompts(n, self.rng))
+            return self.ranks.mine(self.sampler.draw(n * self.ranks.world), n)
+        return self.ranks.mine(as_rows(self.prompts(n * self.ranks.world, self.rng)), n)
 
     def _fixed_logps(self, batch: hf.Batch, reference: bool):
         tau = self.cfg.temperature
@@ -117,28 +139,42 @@ class Trainer:
         return hf.logps_no_grad(self.ref_model, batch, tau)
 
     def score(self, rows: list[dict], batch: hf.Batch, repeat: int):
-        """(rewards [B] with NaN where unscored, reward metrics, completion texts)."""
+        """(rewards [B] with NaN where unscored, each function's [B, F], reward metrics,
+        completion texts)."""
         state = RewardState(global_step=self.step_count, max_steps=self.cfg.steps)
         return scoring.score(self.rewards, self.tokenizer, rows, batch, repeat, state)
+
+    def sample(self, prompts: list[str], num_generations: int, temperature: float) -> hf.Batch:
+        synced = self.ranks.mode == "fsdp"
+        return hf.sample(
+            self.model, self.tokenizer, prompts, num_generations, self.cfg.max_new_tokens,
+            temperature, synced,
+        )  # fmt: skip
 
     def rollout(self) -> tuple[Rollout, list[str], list[str], dict]:
         """Sample, score, normalise, and attach reference (and old) log-probs."""
         cfg = self.cfg
         rows = self._draw_rows(cfg.prompts_per_step)
-        batch = hf.sample(
-            self.model, self.tokenizer, [r["prompt"] for r in rows], cfg.num_generations,
-            cfg.max_new_tokens, cfg.temperature,
-        )  # fmt: skip
-        rewards, metrics, texts = self.score(rows, batch, cfg.num_generations)
+        batch = self.sample([r["prompt"] for r in rows], cfg.num_generations, cfg.temperature)
+        rewards, terms, metrics, texts = self.score(rows, batch, cfg.num_generations)
         rewards, unscored = scoring.fill_unscored(rewards, cfg.num_generations)
-        rollout = Rollout(**vars(batch), rewards=rewards)
-        advantages = group_normalize(rewards, cfg.num_generations, scale=cfg.scale_rewards)
-        rollout.advantages = advantages.masked_fill(unscored, 0.0)
+        rollout = Rollout(**vars(batch), rewards=rewards, reward_terms=terms)
+        rollout.advantages = self._advantages(rewards).masked_fill(unscored, 0.0)
         rollout.ref_logps = self._fixed_logps(batch, reference=True)
         if cfg.num_updates > 1 and cfg.loss == "grpo":
             rollout.old_logps = self._fixed_logps(batch, reference=False)
         prompts = [r["prompt"] for r in rows for _ in range(cfg.num_generations)]
         return rollout, prompts, texts, metrics
+
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group-normalised advantages; with scale_rewards="batch" the σ is the global batch's
+        (every rank's rewards gathered, O(B)), as TRL computes it."""
+        cfg = self.cfg
+        if not (self.ranks.distributed and cfg.scale_rewards == "batch"):
+            return group_normalize(rewards, cfg.num_generations, scale=cfg.scale_rewards)
+        every = torch.cat([r.to(rewards.device) for r in self.ranks.gather(rewards.cpu())])
+        advantages = group_normalize(every, cfg.num_generations, scale="batch")
+        return self.ranks.mine(advantages, rewards.shape[0])
 
     def preferences(self) -> Preferences:
         pairs = self._draw(self.preference_data, self.cfg.pref_batch_size)
@@ -152,9 +188,14 @@ class Trainer:
         return prefs
 
     def _micro_loss(self, mb: Rollout, prefs: Preferences | None, num_items):
+        """(loss, metrics) of a micro-batch, computed inside the (wrapped) model's forward."""
+        fn = functools.partial(self._loss_in_forward, mb, prefs, num_items)
+        return parallel.forward(self.wrapped, fn)
+
+    def _loss_in_forward(self, mb: Rollout, prefs: Preferences | None, num_items, lm):
         T = mb.completion_ids.shape[1]
-        hidden = hf.completion_hidden(self.model, mb.input_ids, mb.attention_mask, T)
-        weight, bias = hf.lm_head(self.model)
+        hidden = hf.completion_hidden(lm, mb.input_ids, mb.attention_mask, T)
+        weight, bias = hf.lm_head(lm)
         ids, mask, cfg = mb.completion_ids, mb.completion_mask, self.cfg
         if cfg.loss == "fgrpo":
             return self.loss_fn(
@@ -169,7 +210,7 @@ class Trainer:
         if cfg.loss == "gift":
             return self.loss_fn(hidden, weight, ids, mask, mb.rewards, mb.ref_logps, bias=bias)
         pref_hidden = hf.completion_hidden(
-            self.model, prefs.input_ids, prefs.attention_mask, prefs.completion_ids.shape[1]
+            lm, prefs.input_ids, prefs.attention_mask, prefs.completion_ids.shape[1]
         )
         return self.loss_fn(
             hidden, weight, ids, mask, pref_hidden, prefs.completion_ids, prefs.completion_mask,
@@ -184,8 +225,12 @@ class Trainer:
         rows = rollout.completion_ids.shape[0] // n_micro
         pref_rows = 0 if prefs is None else prefs.completion_ids.shape[0] // n_micro
         dapo = cfg.loss == "grpo" and cfg.loss_type == "dapo"
-        # dapo: the whole rollout's tokens (at least 1: a rollout of empty completions has 0)
-        num_items = rollout.completion_mask.sum().clamp(min=1) if dapo else None
+        num_items = None
+        if dapo:
+            # the tokens of the whole rollout on every rank (at least 1: empty completions
+            # count 0), divided by the ranks, whose gradients DDP and FSDP2 average (as TRL)
+            tokens = self.ranks.total(rollout.completion_mask.sum()).clamp(min=1)
+            num_items = float(tokens) / self.ranks.world
         scale = 1.0 if dapo else 1.0 / n_micro
         sums: dict[str, float] = {}
         losses, norms = [], []
@@ -198,13 +243,14 @@ class Trainer:
                 pmb = None
                 if prefs is not None:
                     pmb = prefs.rows(slice(k * pref_rows, (k + 1) * pref_rows))
-                loss, metrics = self._micro_loss(mb, pmb, num_items)
-                (loss * scale).backward()
+                with parallel.gradient_sync(self.wrapped, self.ranks, k == n_micro - 1):
+                    loss, metrics = self._micro_loss(mb, pmb, num_items)
+                    (loss * scale).backward()
                 total += float(loss.detach()) * scale
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0.0) + float(value) / (n_micro * cfg.num_updates)
             clip = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+            norms.append(parallel.as_float(torch.nn.utils.clip_grad_norm_(params, clip)))
             self.optimizer.step()
             self.scheduler.step()
             losses.append(total)
@@ -220,21 +266,17 @@ class Trainer:
         t1 = time.perf_counter()
         metrics = self.update(rollout, prefs)
         self.step_count += 1
-        r = rollout.rewards
-        groups = r.reshape(-1, self.cfg.num_generations)
-        record = {
-            "step": self.step_count,
-            "reward_mean": float(r.mean()),
-            "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
-            "frac_reward_zero_std": float((groups.std(-1) == 0).float().mean()),
-            "rollouts": r.numel(),
+        scalars = {
             "completion_length": float(rollout.completion_mask.sum(-1).float().mean()),
             **reward_metrics,
             **metrics,
-            "lr": self.scheduler.get_last_lr()[0],
             "rollout_s": t1 - t0,
             "update_s": time.perf_counter() - t1,
         }
+        record = {"step": self.step_count}
+        G = self.cfg.num_generations
+        record |= scoring.global_metrics(self.ranks, self.rewards, rollout, G, scalars)
+        record["lr"] = self.scheduler.get_last_lr()[0]
         record["sample"] = f"{prompts[0]} -> {texts[0]!r}"
         return record
 
@@ -247,69 +289,45 @@ class Trainer:
         self.stop_requested = True
 
     def state_dict(self) -> dict:
-        """Everything besides the weights that a resumed run needs to continue exactly."""
-        return {
-            "step": self.step_count,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": rng.rng_state(),
-            "trainer_rng": rng.python_rng_state(self.rng),
-            "sampler": None if self.sampler is None else self.sampler.state_dict(),
-            "chance": self.chance,
-        }
+        """Everything besides the weights that a resumed run needs to continue exactly (see
+        `checkpoint.state_dict`; a collective under torch.distributed)."""
+        return checkpoint.state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state_dict()` (the model must already hold the checkpoint's weights);
         `train` then appends to the run's metrics instead of starting them over."""
-        self.step_count = int(state["step"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        rng.set_python_rng_state(self.rng, state["trainer_rng"])
-        if self.sampler is not None and state["sampler"] is not None:
-            self.sampler.load_state_dict(state["sampler"])
-        self.chance = state["chance"]
-        self._rng_state = state["rng"]
-        self.resumed = True
+        checkpoint.load_state_dict(self, state)
 
-    def resume_from(self, checkpoint) -> None:
+    def resume_from(self, path) -> None:
         """`load_state_dict` from a checkpoint folder's trainer_state.pt."""
-        self.load_state_dict(run_dir.load_state(checkpoint))
+        self.load_state_dict(run_dir.load_state(path))
 
     def save(self, path) -> None:
         """A resumable checkpoint: save_pretrained of the model (the adapter for PEFT) and the
-        tokenizer, plus trainer_state.pt."""
-        run_dir.save_checkpoint(Path(path), self.model, self.tokenizer, self.state_dict())
-
-    def _begin(self, out: Path) -> tuple[list[dict], float]:
-        """(history so far, seconds already spent): a fresh run seeds every random stream and
-        starts its metrics; a resumed one restores them and keeps its logged steps."""
-        out.mkdir(parents=True, exist_ok=True)
-        if not self.resumed:
-            rng.seed_everything(self.cfg.seed)
-            run_dir.start_metrics(out, self.cfg.to_dict())
-            if self.cfg.chance_samples:
-                self.chance = evaluation.chance_level(self, self.cfg.chance_samples)
-            return [], 0.0
-        history = run_dir.resume_metrics(out, self.step_count)
-        rng.set_rng_state(self._rng_state)  # last: loading models may have drawn numbers
-        return history, (history[-1].get("time_s", 0.0) if history else 0.0)
+        tokenizer, plus trainer_state.pt. Every rank calls it; rank 0 writes."""
+        checkpoint.save(self, Path(path))
 
     def train(self, callback: Callable[[dict], None] | None = None) -> list[dict]:
-        """Run up to `cfg.steps` steps (fewer if `request_stop` is called); metrics go to
-        out_dir/metrics.jsonl, one line per step, and out_dir/final is a resumable checkpoint.
-        Returns the records of every step of the run, earlier sessions included."""
-        cfg = self.cfg
+        """Run up to `cfg.steps` steps (fewer if `request_stop` is called: on any rank, then
+        every rank stops after the same step); metrics go to out_dir/metrics.jsonl, one line per
+        step, and out_dir/final is a resumable checkpoint. Returns the records of every step
+        of the run, earlier sessions included (the same on every rank; `callback` is called on
+        every rank)."""
+        cfg, main = self.cfg, self.ranks.main
         out = Path(cfg.out_dir)
-        history, spent = self._begin(out)
+        history, spent = checkpoint.begin(self, out)
         self.start_step = self.step_count
-        start, bar = time.perf_counter(), _progress(cfg, self.step_count)
-        while self.step_count < cfg.steps and not self.stop_requested:
+        start = time.perf_counter()
+        bar = _progress(cfg, self.step_count) if main else None
+        stop = self.ranks.any(self.stop_requested)
+        while self.step_count < cfg.steps and not stop:
             record = self.step()
             due = cfg.eval_every and self.step_count % cfg.eval_every == 0
             if self.eval_rows and (due or (cfg.eval_every and self.step_count == cfg.steps)):
                 record.update(self.evaluate())
             record["time_s"] = spent + time.perf_counter() - start
-            run_dir.append_metrics(out, record)
+            if main:
+                run_dir.append_metrics(out, record)
             history.append(record)
             if bar is not None:
                 bar.set_postfix(_postfix(record), refresh=False)
@@ -318,6 +336,7 @@ class Trainer:
                 callback(record)
             if cfg.save_every and self.step_count % cfg.save_every == 0:
                 self.save(out / f"{run_dir.CHECKPOINT}{self.step_count}")
+            stop = self.ranks.any(self.stop_requested)
         if bar is not None:
             bar.close()
         self.save(out / run_dir.FINAL)

@@ -40,12 +40,13 @@ def check_packages(opts: dict) -> None:
             )
 
 
-def device(name: str) -> str:
-    """The torch device `--device` names ("auto": cuda when available, else cpu)."""
+def device(name: str, local_rank: int | None = None) -> str:
+    """The torch device `--device` names ("auto": cuda when available, else cpu). Under
+    torchrun (`local_rank` given) a CUDA device is the rank's own, cuda:LOCAL_RANK."""
     import torch
 
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(name)
     except (RuntimeError, ValueError):
@@ -54,7 +55,20 @@ def device(name: str) -> str:
         raise ValueError(f"device: {name!r} asked for, but torch sees no CUDA device")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device: expected auto, cpu, cuda or cuda:N; got {name!r}")
-    return name
+    if dev.type != "cuda" or local_rank is None:
+        return name
+    if dev.index is not None:
+        raise ValueError(
+            f"device: under torchrun each rank uses cuda:LOCAL_RANK; got {name!r} (pass --device "
+            "cuda, or choose the GPUs with CUDA_VISIBLE_DEVICES)"
+        )
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"device: local rank {local_rank} has no GPU of its own (torch sees {count}); start "
+            f"at most {count} ranks per node or pass --device cpu"
+        )
+    return f"cuda:{local_rank}"
 
 
 def model_source(model: str | None) -> str | None:

@@ -258,15 +258,21 @@ class RewardSet:
         weights = torch.tensor(self.weights)
         total = (per_func * weights).nansum(-1)
         total[per_func.isnan().all(-1)] = math.nan  # scored by no function
+        metrics = self.statistics(per_func)
+        metrics.update({name: sum(v) / len(v) for name, v in logged.items()})
+        return total, per_func, metrics
+
+    def statistics(self, per_func: torch.Tensor) -> dict[str, float]:
+        """rewards/<name>/mean and /std of each function over the completions it scored
+        (per_func [B, F], NaN where unscored); a function that scored nothing has none."""
         metrics = {}
         for k, name in enumerate(self.names):
             col = per_func[:, k]
             col = col[~col.isnan()]
-            if col.numel():  # a function that scored nothing this step has no statistics
+            if col.numel():
                 metrics[f"rewards/{name}/mean"] = float(col.mean())
                 metrics[f"rewards/{name}/std"] = float(col.std()) if col.numel() > 1 else 0.0
-        metrics.update({name: sum(v) / len(v) for name, v in logged.items()})
-        return total, per_func, metrics
+        return metrics
 
 
 def _is_real(value) -> bool:

@@ -82,15 +82,16 @@ def latest_checkpoint(out: str | Path) -> Path | None:
     return max(found, key=lambda f: f[:2])[2] if found else None
 
 
-def save_checkpoint(path: Path, model, tokenizer, state: dict) -> None:
-    """Model and tokenizer (save_pretrained) plus the trainer state, written to a temporary
-    folder and renamed into place, so that an interrupted save never leaves half a checkpoint."""
+def save_checkpoint(path: Path, model, tokenizer, state: dict, weights: dict | None = None) -> None:
+    """Model and tokenizer (save_pretrained; `weights`: the model's full state dict when its
+    own is sharded) plus the trainer state, written to a temporary folder and renamed into
+    place, so that an interrupted save never leaves half a checkpoint."""
     import torch
 
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp)
+    model.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
     tokenizer.save_pretrained(tmp)
     torch.save(state, tmp / STATE)
     (tmp / STATE_JSON).write_text(json.dumps({"step": state["step"]}) + "\n")
