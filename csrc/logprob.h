@@ -16,7 +16,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -38,6 +41,103 @@ inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // multiplies e^u takes max(u, EXP_ZERO_BELOW) instead of u, so banned tokens (u = −inf) and
 // tokens far below the max (u ≈ −1e20 at a tiny temperature) contribute 0, never 0·∞.
 constexpr float EXP_ZERO_BELOW = -128.f;
+
+// The online log-sum-exp of one row over its vocab tiles: m = running max, s = Σ e^(z−m),
+// t = Σ e^(z−m)(z−m) (for the entropy), z_y = the target's logit.
+struct RowState {
+  float m = -std::numeric_limits<float>::infinity();
+  float s = 0.f;
+  float t = 0.f;
+  float z_y = 0.f;
+};
+
+// Folds one tile row z[0, cols) into the running (m, s, t) of its row.
+inline void online_update(const float* z, int64_t cols, bool with_entropy, RowState& st) {
+  constexpr int64_t W = Vec::size();
+  const int64_t vec_end = cols - cols % W;
+  Vec vmax(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < vec_end; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(z + j));
+  float tile_max = vmax.reduce_max();
+  for (int64_t j = vec_end; j < cols; ++j) tile_max = std::max(tile_max, z[j]);
+  const float m_new = std::max(st.m, tile_max);
+  // NB: a tile of banned tokens (−inf) leaves m at −inf: shift by 0 (s, t stay 0), not −inf.
+  const float m_ref = m_new == -std::numeric_limits<float>::infinity() ? 0.f : m_new;
+  const Vec vm(m_ref), vfloor(EXP_ZERO_BELOW);
+  Vec vs(0.f), vt(0.f);
+  for (int64_t j = 0; j < vec_end; j += W) {
+    const Vec u = Vec::loadu(z + j) - vm;
+    const Vec e = u.exp();
+    vs = vs + e;
+    if (with_entropy) vt = at::vec::fmadd(e, at::vec::maximum(u, vfloor), vt);
+  }
+  float s_tile = vs.reduce_add(), t_tile = vt.reduce_add();
+  for (int64_t j = vec_end; j < cols; ++j) {
+    const float u = z[j] - m_ref, e = std::exp(u);
+    s_tile += e;
+    t_tile += e * std::max(u, EXP_ZERO_BELOW);
+  }
+  if (st.m == -std::numeric_limits<float>::infinity()) {
+    st.s = s_tile;
+    st.t = t_tile;
+  } else {
+    const float shift = st.m - m_new, scale = std::exp(shift);
+    st.t = scale * (st.t + shift * st.s) + t_tile;
+    st.s = scale * st.s + s_tile;
+  }
+  st.m = m_new;
+}
+
+// lse, logp and entropy of a finished row (logp and entropy 0 where the target is ignored).
+inline void finish_row(const RowState& st, bool valid, float* lse, float* logp, float* ent) {
+  const float log_s = std::log(st.s);
+  *lse = st.m + log_s;
+  *logp = valid ? st.z_y - *lse : 0.f;
+  if (ent != nullptr) *ent = valid ? log_s - st.t / st.s : 0.f;
+}
+
+// dz = p·(a + c·u) + onehot_y·gy per row, u = z − lse, p = e^u (docs/math.md §1, Backward):
+// a = −(g + g_H·H)/τ, c = −g_H/τ, gy = g/τ; all 0 on an ignored row.
+struct RowCoef {
+  float a = 0.f;
+  float c = 0.f;
+  float gy = 0.f;
+};
+
+inline RowCoef row_coef(bool valid, float g, float gh, float ent, float inv_t) {
+  if (!valid) return {};
+  return {-(g + gh * ent) * inv_t, -gh * inv_t, g * inv_t};
+}
+
+// One row segment of logits (bias not yet added when b is given) → dz in place. `local` is the
+// target's column in the segment, or −1. p = 0 tokens (u = −inf, or far below the max) give
+// dz = 0: u is floored at EXP_ZERO_BELOW in the factor (a + c·u), where e^u is already 0.
+inline void dlogits_row(float* zr, const float* b, int64_t cols, int64_t local, float lse,
+                        RowCoef k) {
+  if (k.a == 0.f && k.c == 0.f && k.gy == 0.f) {
+    std::memset(zr, 0, sizeof(float) * cols);
+    return;
+  }
+  const float u_y = local >= 0 ? zr[local] + (b != nullptr ? b[local] : 0.f) - lse : 0.f;
+  constexpr int64_t W = Vec::size();
+  const int64_t vec_end = cols - cols % W;
+  const Vec vl(lse), va(k.a), vc(k.c), vfloor(EXP_ZERO_BELOW);
+  for (int64_t j = 0; j < vec_end; j += W) {
+    Vec z = Vec::loadu(zr + j);
+    if (b != nullptr) z = z + Vec::loadu(b + j);
+    const Vec u = z - vl;
+    (u.exp() * at::vec::fmadd(vc, at::vec::maximum(u, vfloor), va)).store(zr + j);
+  }
+  for (int64_t j = vec_end; j < cols; ++j) {
+    const float u = zr[j] + (b != nullptr ? b[j] : 0.f) - lse;
+    zr[j] = std::exp(u) * (k.a + k.c * std::max(u, EXP_ZERO_BELOW));
+  }
+  // NB: the target's g·(1 − p_y)/τ as −(g/τ)·expm1(u_y): a near-certain target keeps its
+  // precision (1 − p_y would cancel).
+  if (local >= 0) {
+    const float u_lin = std::max(u_y, EXP_ZERO_BELOW);
+    zr[local] = -k.gy * std::expm1(u_y) + std::exp(u_y) * (k.a + k.gy + k.c * u_lin);
+  }
+}
 
 // Row-major C[m, n] = alpha * A[m, k] · op(B) + beta * C, single-threaded (tiles.cpp).
 // op(B) = B^T with B [n, k] (nt), B [k, n] (nn); tn: C = alpha * A^T · B with A [k, m].
@@ -94,5 +194,21 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
     const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_entropy,
     double temperature, int64_t ignore_index, bool need_hidden, bool need_weight,
     bool need_bias);
+
+// Single pass (logits_chunk.cpp): the chunk's logits z = (h W^T + b)/τ are written to `logits`
+// [M, V] fp32; logits_bwd turns them into dz in place and writes dh [M, H] (fp32), and adds to
+// (or, without `accumulate`, writes) dw [V, H] and db [V] (fp32).
+std::tuple<Tensor, Tensor, Tensor> logits_fwd_cpu(
+    const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+    const std::optional<Tensor>& bias, double temperature, int64_t ignore_index,
+    bool return_entropy, const Tensor& logits);
+
+void logits_bwd_cpu(const Tensor& logits, const Tensor& hidden, const Tensor& weight,
+                    const Tensor& targets, const Tensor& lse, const std::optional<Tensor>& entropy,
+                    const std::optional<Tensor>& grad_logp,
+                    const std::optional<Tensor>& grad_entropy, double temperature,
+                    int64_t ignore_index, const std::optional<Tensor>& dh,
+                    const std::optional<Tensor>& dw, const std::optional<Tensor>& db,
+                    bool accumulate);
 
 }  // namespace fgrpo

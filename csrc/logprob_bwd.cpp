@@ -23,26 +23,6 @@
 #include <vector>
 
 namespace fgrpo {
-namespace {
-
-// dz of one tile row in place: z (tile row, bias not yet added) → dz.
-inline void row_grad(float* zr, const float* b, int64_t cols, float lse, float a, float c) {
-  constexpr int64_t W = Vec::size();
-  const int64_t vec_end = cols - cols % W;
-  const Vec vl(lse), va(a), vc(c), vfloor(EXP_ZERO_BELOW);
-  for (int64_t j = 0; j < vec_end; j += W) {
-    Vec z = Vec::loadu(zr + j);
-    if (b != nullptr) z = z + Vec::loadu(b + j);
-    const Vec u = z - vl;
-    (u.exp() * at::vec::fmadd(vc, at::vec::maximum(u, vfloor), va)).store(zr + j);
-  }
-  for (int64_t j = vec_end; j < cols; ++j) {
-    const float u = zr[j] + (b != nullptr ? b[j] : 0.f) - lse;
-    zr[j] = std::exp(u) * (a + c * std::max(u, EXP_ZERO_BELOW));
-  }
-}
-
-}  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
     const Tensor& hidden_in, const Tensor& weight_in, const Tensor& targets_in,
@@ -72,18 +52,12 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
   const Tensor g_t = grad_logp.has_value() ? as_f32(*grad_logp) : Tensor();
   const Tensor gh_t = with_ent ? as_f32(*grad_entropy) : Tensor();
   const Tensor ent_t = with_ent ? as_f32(*entropy) : Tensor();
-  Tensor coef = at::empty({3, N}, at::kFloat);
-  float* ca = coef.data_ptr<float>();
-  float* cc = ca + N;
-  float* cy = ca + 2 * N;
+  std::vector<RowCoef> coef(N);
   for (int64_t n = 0; n < N; ++n) {
     const bool valid = y[n] != ignore_index;
-    const float g = valid && g_t.defined() ? g_t.const_data_ptr<float>()[n] : 0.f;
-    const float gh = valid && with_ent ? gh_t.const_data_ptr<float>()[n] : 0.f;
-    const float ent = valid && with_ent ? ent_t.const_data_ptr<float>()[n] : 0.f;
-    ca[n] = -(g + gh * ent) * inv_t;
-    cc[n] = -gh * inv_t;
-    cy[n] = g * inv_t;
+    coef[n] = row_coef(valid, valid && g_t.defined() ? g_t.const_data_ptr<float>()[n] : 0.f,
+                       valid && with_ent ? gh_t.const_data_ptr<float>()[n] : 0.f,
+                       valid && with_ent ? ent_t.const_data_ptr<float>()[n] : 0.f, inv_t);
   }
 
   // Ignored rows with a NaN or inf in their hidden state (see the note at the top).
@@ -124,22 +98,10 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
         // NB: one sgemm over the whole sweep width: wide tiles run sgemm ~15% faster here.
         gemm_nt(rows, scols, H, inv_t, h + n0 * H, H, w, H, 0.f, dz, SUPER_V);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t n = n0 + r;
-          float* zr = dz + r * SUPER_V;
-          if (ca[n] == 0.f && cc[n] == 0.f && cy[n] == 0.f) {
-            std::memset(zr, 0, sizeof(float) * scols);
-            continue;
-          }
-          const int64_t local = y[n] - s0;
+          const int64_t n = n0 + r, local = y[n] - s0;
           const bool hit = local >= 0 && local < scols && y[n] != ignore_index;
-          const float u_y = hit ? zr[local] + (b != nullptr ? b[s0 + local] : 0.f) - lse[n] : 0.f;
-          row_grad(zr, b == nullptr ? nullptr : b + s0, scols, lse[n], ca[n], cc[n]);
-          // NB: the target's g·(1 − p_y)/τ as −(g/τ)·expm1(u_y): a near-certain target keeps
-          // its precision (1 − p_y would cancel).
-          if (hit) {
-            const float u_lin = std::max(u_y, EXP_ZERO_BELOW);
-            zr[local] = -cy[n] * std::expm1(u_y) + std::exp(u_y) * (ca[n] + cy[n] + cc[n] * u_lin);
-          }
+          dlogits_row(dz + r * SUPER_V, b == nullptr ? nullptr : b + s0, scols, hit ? local : -1,
+                      lse[n], coef[n]);
         }
         if (need_h) gemm_nn(rows, H, scols, 1.f, dz, SUPER_V, w, H, 1.f, dhs + n0 * H, H);
       });

@@ -134,3 +134,43 @@ class EpilogueFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad, _ = ctx.saved_tensors
         return (grad * grad_loss, None) + (None,) * ctx.n_args
+
+
+SPENT = (
+    "fgrpo_kernels: this single-pass loss was already backpropagated (its gradients are formed in "
+    "the forward and handed out once); to backpropagate through a loss more than once, build the "
+    "module with max_chunk_bytes=0 (the two-pass path)"
+)
+
+
+class SinglePassFunction(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], bias [V] | None) → (loss, logp [N], entropy [N]) of a fused
+    loss whose forward sweep also forms d loss/d(hidden, weight, bias) (`sweep(hidden, weight,
+    bias, needs) -> (loss, logp, entropy, dh, dw, db)`, see `fgrpo_kernels.single_pass`);
+    backward only scales them by the incoming gradient. logp and entropy are not
+    differentiable (they feed the metrics).
+
+    NB: the gradients are handed out once, scaled in place, and not kept: autograd can then
+    take them as `.grad` without a copy. A second backward raises `SPENT`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, sweep):
+        needs = tuple(ctx.needs_input_grad[:3])
+        loss, logp, entropy, *grads = sweep(hidden, weight, bias, needs)
+        ctx.grads = grads
+        entropy = logp.new_zeros(0) if entropy is None else entropy
+        ctx.mark_non_differentiable(logp, entropy)
+        ctx.save_for_backward(hidden, weight, bias)
+        return loss, logp, entropy
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        if grad_loss is None:
+            return None, None, None, None
+        if ctx.grads is None:
+            raise RuntimeError(SPENT)
+        grads, ctx.grads = ctx.grads, None
+        if grad_loss.device.type != "cpu" or bool(grad_loss != 1.0):
+            grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
+        return (*grads, None)

@@ -12,31 +12,44 @@ from __future__ import annotations
 
 import torch
 
-from . import epilogue, metrics
+from . import epilogue, metrics, single_pass
 from . import validation as check
 from .autograd import EpilogueFunction
 from .logprobs import fused_linear_logprobs
-from .options import FGRPOOptions, GIFTOptions, GRPOOptions
+from .options import FGRPOOptions, GIFTOptions, GRPOOptions, LogProbOptions
 
 
 class _FusedLinearLoss(torch.nn.Module):
-    """Shared plumbing: options, the policy log-probs, the optional in-call reference pass."""
+    """Shared plumbing: options, the policy log-probs, the optional in-call reference pass, and
+    the choice between the single pass and the two-pass path (`last_pass` says which ran)."""
 
-    def __init__(self, temperature=1.0, compute_entropy=False, fast_fp32=False):
+    def __init__(self, temperature=1.0, compute_entropy=False, fast_fp32=False,
+                 max_chunk_bytes=None):  # fmt: skip
         super().__init__()
         self.temperature = check.temperature(temperature)
         self.compute_entropy = bool(compute_entropy)
         self.fast_fp32 = bool(fast_fp32)
+        self.max_chunk_bytes = check.byte_count("max_chunk_bytes", max_chunk_bytes)
+        self.last_pass = None
+
+    def _tokens(self, hidden, ids, mask):
+        """(positions [N], hidden [N, H], targets [N]) of the unmasked tokens, row-major."""
+        B, T, H = hidden.shape
+        positions = mask.reshape(-1).bool().nonzero().squeeze(1)
+        rows = hidden.reshape(B * T, H).index_select(0, positions)
+        return positions, rows, ids.reshape(-1).index_select(0, positions)
+
+    def _lp_opts(self) -> LogProbOptions:
+        return LogProbOptions(self.temperature, -100, self.fast_fp32)
 
     def _logps(self, hidden, weight, ids, mask, bias, entropy=False):
         """Per-token log-probs [B, T] (0 where masked); only unmasked rows reach the kernel."""
         B, T, H = hidden.shape
-        keep = mask.reshape(-1).bool()
-        rows = keep.nonzero().squeeze(1)
+        positions, rows, targets = self._tokens(hidden, ids, mask)
         out = fused_linear_logprobs(
-            hidden.reshape(B * T, H).index_select(0, rows),
+            rows,
             weight,
-            ids.reshape(-1).index_select(0, rows),
+            targets,
             bias,
             self.temperature,
             return_entropy=entropy,
@@ -45,9 +58,33 @@ class _FusedLinearLoss(torch.nn.Module):
         logp, ent = out if entropy else (out, None)
 
         def scatter(x):
-            return x.new_zeros(B * T).index_copy(0, rows, x).reshape(B, T)
+            return x.new_zeros(B * T).index_copy(0, positions, x).reshape(B, T)
 
         return scatter(logp), None if ent is None else scatter(ent.detach())
+
+    def _single_pass(self, hidden, weight, ids, mask, bias, chunked, entropy=False):
+        """(loss, logps [B, T], entropy [B, T] | None) by the single pass (`chunked()` builds
+        the loss's `single_pass.ChunkedLoss`, or says why it cannot), or None when the
+        two-pass path must run; `last_pass` records the choice and its reason."""
+        wants_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, weight, bias)
+        )
+        if not wants_grad:
+            self.last_pass = "two-pass: no gradient is wanted (a forward alone is one pass)"
+            return None
+        max_bytes = single_pass.chunk_bytes(self.max_chunk_bytes, hidden.device)
+        loss = chunked() if max_bytes else None
+        lengths = mask.bool().sum(-1).tolist()
+        how = single_pass.plan(hidden, weight, lengths, loss, max_bytes)
+        if isinstance(how, str):
+            self.last_pass = f"two-pass: {how}"
+            return None
+        positions, rows, targets = self._tokens(hidden, ids, mask)
+        check.logprob_inputs(rows, weight, targets, bias, self.temperature, -100)
+        self.last_pass = "single"
+        bias = None if bias is None else bias.contiguous()
+        return single_pass.run(*how, rows, weight.contiguous(), targets, bias, self._lp_opts(),
+                               positions, mask, loss, entropy)  # fmt: skip
 
     def _given_or_computed(self, name, given, hidden, weight, bias, ids, mask, B, T):
         """Per-token log-probs passed in, or computed forward-only from (hidden, weight, bias)
@@ -90,8 +127,10 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
         group_is_weights=False,
         compute_entropy=False,
         fast_fp32=False,
+        *,
+        max_chunk_bytes=None,
     ):
-        super().__init__(temperature, compute_entropy, fast_fp32)
+        super().__init__(temperature, compute_entropy, fast_fp32, max_chunk_bytes)
         self.opts = FGRPOOptions.parse(
             divergence, beta, level, reduction, num_generations, scale_rewards, eps, unbiased,
             group_is_weights, scale_arg="scale_rewards",
@@ -136,17 +175,24 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
             raise ValueError(
                 "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
             )
-        logps, ent = self._logps(
-            hidden, weight, completion_ids, completion_mask, bias, self.compute_entropy
-        )
-        old = None
-        if opts.group_is_weights:
-            old = logps.detach() if old_per_token_logps is None else old_per_token_logps
         adv = None if advantages is None else advantages.detach().float()
         rw = None if rewards is None else rewards.detach().float()
-        loss = EpilogueFunction.apply(
-            logps, epilogue.fgrpo, ref, completion_mask, adv, rw, old, opts
-        )
+        given_old = None if old_per_token_logps is None else old_per_token_logps.detach()
+        args = (hidden, weight, completion_ids, completion_mask, bias)
+        out = self._single_pass(
+            *args, lambda: single_pass.fgrpo(ref, completion_mask, adv, rw, given_old, opts),
+            self.compute_entropy,
+        )  # fmt: skip
+        if out is None:
+            logps, ent = self._logps(*args, self.compute_entropy)
+            old = None
+            if opts.group_is_weights:
+                old = logps.detach() if given_old is None else given_old
+            loss = EpilogueFunction.apply(
+                logps, epilogue.fgrpo, ref, completion_mask, adv, rw, old, opts
+            )
+        else:
+            loss, logps, ent = out
         return loss, metrics.fgrpo(loss, logps, ref, completion_mask, adv, rw, ent, opts)
 
 
@@ -174,8 +220,10 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         fast_fp32=False,
         compiled=True,
         chunk_size=1,
+        *,
+        max_chunk_bytes=None,
     ):
-        super().__init__(temperature, compute_entropy, fast_fp32)
+        super().__init__(temperature, compute_entropy, fast_fp32, max_chunk_bytes)
         self.use_ref_model = bool(use_ref_model)
         self.opts = GRPOOptions.parse(
             loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
@@ -222,14 +270,21 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
                     "ref_per_token_logps: expected [B, T] reference log-probs (or "
                     "ref_input) when beta != 0; got None"
                 )
-        logps, ent = self._logps(
-            hidden, weight, completion_ids, completion_mask, bias, self.compute_entropy
-        )
         old = None if old_per_token_logps is None else old_per_token_logps.detach()
         adv = advantages.detach().float()
-        loss = EpilogueFunction.apply(
-            logps, epilogue.grpo, old, ref, completion_mask, adv, num_items_in_batch, opts
+        args = (hidden, weight, completion_ids, completion_mask, bias)
+        out = self._single_pass(
+            *args,
+            lambda: single_pass.grpo(old, ref, completion_mask, adv, num_items_in_batch, opts),
+            self.compute_entropy,
         )
+        if out is None:
+            logps, ent = self._logps(*args, self.compute_entropy)
+            loss = EpilogueFunction.apply(
+                logps, epilogue.grpo, old, ref, completion_mask, adv, num_items_in_batch, opts
+            )
+        else:
+            loss, logps, ent = out
         return loss, metrics.grpo(loss, logps, old, ref, completion_mask, adv, ent, opts)
 
 
@@ -251,8 +306,10 @@ class FusedLinearGIFTLoss(_FusedLinearLoss):
         unbiased=True,
         compute_entropy=False,
         fast_fp32=False,
+        *,
+        max_chunk_bytes=None,
     ):
-        super().__init__(temperature, compute_entropy, fast_fp32)
+        super().__init__(temperature, compute_entropy, fast_fp32, max_chunk_bytes)
         self.opts = GIFTOptions.parse(num_generations, beta, eps, unbiased, detach_stats)
 
     def forward(
@@ -288,9 +345,14 @@ class FusedLinearGIFTLoss(_FusedLinearLoss):
             raise ValueError(
                 "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
             )
-        logps, ent = self._logps(
-            hidden, weight, completion_ids, completion_mask, bias, self.compute_entropy
-        )
         rw = rewards.detach().float()
-        loss = EpilogueFunction.apply(logps, epilogue.gift, ref, completion_mask, rw, opts)
+        args = (hidden, weight, completion_ids, completion_mask, bias)
+        out = self._single_pass(
+            *args, lambda: single_pass.gift(ref, completion_mask, rw, opts), self.compute_entropy
+        )
+        if out is None:
+            logps, ent = self._logps(*args, self.compute_entropy)
+            loss = EpilogueFunction.apply(logps, epilogue.gift, ref, completion_mask, rw, opts)
+        else:
+            loss, logps, ent = out
         return loss, metrics.gift(loss, logps, ref, completion_mask, ent, opts)

@@ -6,7 +6,7 @@ bool (both pools non-empty).
 
 from __future__ import annotations
 
-from . import epilogue, metrics
+from . import epilogue, metrics, single_pass
 from . import validation as check
 from .autograd import EpilogueFunction
 from .losses import FusedLinearFGRPOLoss, _FusedLinearLoss
@@ -16,8 +16,9 @@ from .options import FDOOptions, mixing_weight
 class FusedLinearFDOLoss(_FusedLinearLoss):
     """FDO: mean_chosen φ₊(r) + mean_rejected φ₋(r), r_i = β Σ_t mask·log(π/π_ref)."""
 
-    def __init__(self, divergence="pearson", beta=0.1, temperature=1.0, fast_fp32=False):
-        super().__init__(temperature, False, fast_fp32)
+    def __init__(self, divergence="pearson", beta=0.1, temperature=1.0, fast_fp32=False, *,
+                 max_chunk_bytes=None):  # fmt: skip
+        super().__init__(temperature, False, fast_fp32, max_chunk_bytes)
         self.opts = FDOOptions.parse(divergence, beta)
 
     def forward(
@@ -51,8 +52,17 @@ class FusedLinearFDOLoss(_FusedLinearLoss):
             raise ValueError(
                 "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
             )
-        logps, _ = self._logps(hidden, weight, completion_ids, completion_mask, bias)
-        loss = EpilogueFunction.apply(logps, epilogue.fdo, ref, completion_mask, chosen, self.opts)
+        args = (hidden, weight, completion_ids, completion_mask, bias)
+        out = self._single_pass(
+            *args, lambda: single_pass.fdo(ref, completion_mask, chosen, self.opts)
+        )
+        if out is None:
+            logps, _ = self._logps(*args)
+            loss = EpilogueFunction.apply(
+                logps, epilogue.fdo, ref, completion_mask, chosen, self.opts
+            )
+        else:
+            loss, logps, _ = out
         return loss, metrics.fdo(loss, logps, ref, completion_mask, chosen, self.opts.beta)
 
 
@@ -76,7 +86,9 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
             divergence, beta, level, reduction, num_generations, temperature, **fgrpo_options
         )
         self.lam = mixing_weight(lam)
-        self.fdo = FusedLinearFDOLoss(divergence, beta, temperature, self.fast_fp32)
+        self.fdo = FusedLinearFDOLoss(
+            divergence, beta, temperature, self.fast_fp32, max_chunk_bytes=self.max_chunk_bytes
+        )
 
     def forward(
         self,

@@ -25,8 +25,7 @@ from ..options import LogProbOptions
 from . import autotune, configs
 from .gemm import fp32_precision, gemm
 from .launch import check_dtypes, dot_flags, interpreted
-from .tl_math import tl_expm1
-from .tl_utils import tl_block_start, tl_local_index, tl_logits_tile
+from .tl_utils import tl_block_start, tl_dlogits, tl_local_index, tl_logits_tile
 
 
 @triton.jit
@@ -80,15 +79,13 @@ def _logprob_bwd_kernel(
         h_ptr, w_ptr, b_ptr, n0, v0, N, V, H, stride_hn, stride_wv, inv_t,
         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, UPCAST_DOT, DOT_PRECISION,
     )  # fmt: skip
-    u = z - lse[:, None]
-    p = tl.exp(u)
     hit = cols[None, :] == tl_local_index(y, v0, BLOCK_V)[:, None]
-    # NB: the target's g·(1 − p_y) as −g·expm1(u_y): a near-certain target keeps its precision.
-    dz = -g[:, None] * tl.where(hit, tl_expm1(u), p)
+    g_ent = g
+    ent = g
     if HAS_GRAD_ENTROPY:
         g_ent = tl.load(g_ent_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
         ent = tl.load(ent_ptr + n0 + rows, mask=mask_n, other=0.0)
-        dz -= g_ent[:, None] * p * tl.where(p > 0.0, u + ent[:, None], 0.0)  # u = −inf: p = 0
+    dz = tl_dlogits(z - lse[:, None], hit, g, g_ent, ent, HAS_GRAD_ENTROPY)
     dz_ptrs = dz_ptr + n0 * stride_dz + (v0 - v_begin) + (rows[:, None] * stride_dz + cols[None, :])
     mask = mask_n[:, None] & (cols < (v_end - v0).to(tl.int32))[None, :]
     dz = tl.where(valid[:, None], dz * (inv_t * tl.load(scale_ptr)), 0.0)

@@ -1,4 +1,4 @@
-"""Small @triton.jit helpers shared by the forward and backward log-prob kernels.
+"""Small @triton.jit helpers shared by the log-prob kernels (two-pass and single-pass).
 
 Offsets: every tile starts at an int64 base (n0 · stride, v0 · stride) and adds int32 in-tile
 offsets, so N·H, N·V and V·H may pass 2^31 while the per-element index math stays 32-bit.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .tl_math import tl_expm1
 
 
 @triton.jit
@@ -73,3 +75,37 @@ def tl_local_index(idx, start, BLOCK: tl.constexpr):
     """int32 idx − start where it falls in [0, BLOCK), else −1 (compares cheaply with arange)."""
     local = idx - start
     return tl.where((local >= 0) & (local < BLOCK), local, -1).to(tl.int32)
+
+
+@triton.jit
+def tl_online_fold(z, hit, m, s, t, z_y, HAS_ENTROPY: tl.constexpr):
+    """Folds the logits tile z [BLOCK_N, BLOCK_V] (−inf past V) into its rows' online state:
+    m = max z, s = Σ e^(z−m), t = Σ e^(z−m)(z−m) (with HAS_ENTROPY), z_y += z where `hit`.
+
+    NB: banned tokens (−inf logits) have p = 0 and add nothing: a tile of them leaves m at −inf
+    (shifted by 0, not by −inf), and u is zeroed where e = 0 before e·u (no 0·∞, also in the
+    padded columns past V)."""
+    z_y += tl.sum(tl.where(hit, z, 0.0), axis=1)
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    scale = tl.exp(m - m_ref)
+    u = z - m_ref[:, None]
+    e = tl.exp(u)
+    if HAS_ENTROPY:
+        shift = tl.where(m == float("-inf"), 0.0, m - m_new)
+        t = scale * (t + shift * s) + tl.sum(e * tl.where(e > 0.0, u, 0.0), axis=1)
+    s = scale * s + tl.sum(e, axis=1)
+    return m_new, s, t, z_y
+
+
+@triton.jit
+def tl_dlogits(u, hit, g, g_ent, ent, HAS_GRAD_ENTROPY: tl.constexpr):
+    """τ·dlogits of Σ g·logp + Σ g_H·H on a tile, u = z − lse [BLOCK_N, BLOCK_V]:
+    g·(onehot − p) − g_H·p·(u + H), p = e^u (docs/math.md §1, Backward).
+
+    NB: the target's g·(1 − p_y) as −g·expm1(u_y): a near-certain target keeps its precision."""
+    p = tl.exp(u)
+    dz = -g[:, None] * tl.where(hit, tl_expm1(u), p)
+    if HAS_GRAD_ENTROPY:
+        dz -= g_ent[:, None] * p * tl.where(p > 0.0, u + ent[:, None], 0.0)  # u = −inf: p = 0
+    return dz

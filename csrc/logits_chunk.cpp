@@ -1,0 +1,185 @@
+// Single pass of the fused linear log-prob on CPU: the logits of one chunk of rows stay in a
+// buffer between the log-sum-exp and the gradient (docs/math.md §5, "Single pass").
+//
+//   logits_fwd: z = (h W^T + b)/τ into logits [M, V] (fp32), one BLOCK_N x BLOCK_V tile at a
+//     time, each tile folded into the online (m, s, t) of its rows while it is in cache
+//     → lse, logp, entropy. Tasks: (token block, vocab split of SPLIT_V); the splits' partial
+//     states merge in split order.
+//   logits_bwd: logits → dz in place (the rule of logprob_bwd.cpp), dh = dz W, dW (+)= dz^T h,
+//     db (+)= Σ_n dz. One task per lane, a fixed run of SWEEP_V-wide vocab sweeps: each sweep's
+//     dz tile is formed and fed to both products while it is in cache; the lanes' dh partials
+//     add up in lane order.
+// Three GEMM-sized passes over the chunk (z, dh, dW) where the two-pass path takes four (it
+// recomputes z in backward). Every output element has one owner and a fixed summation order:
+// bitwise the same whatever the thread count.
+#include "logprob.h"
+
+#include <ATen/ops/empty.h>
+
+#include <vector>
+
+namespace fgrpo {
+namespace {
+
+constexpr int64_t SPLIT_V = 8192;  // vocab entries per forward task
+constexpr int64_t SWEEP_V = 512;   // vocab entries per backward sweep (the dz tile's width)
+constexpr int64_t LANES = 4;       // backward tasks (fixed: the dh partials' order is fixed)
+
+// Merges the state of a later vocab split into `a` (the combine rule of the online LSE).
+void merge_state(RowState& a, const RowState& b) {
+  constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+  const float m = std::max(a.m, b.m);
+  a.z_y += b.z_y;
+  if (m == NEG_INF) return;
+  const float da = a.m == NEG_INF ? 0.f : a.m - m, db = b.m == NEG_INF ? 0.f : b.m - m;
+  const float sa = a.m == NEG_INF ? 0.f : std::exp(da), sb = b.m == NEG_INF ? 0.f : std::exp(db);
+  a.t = sa * (a.t + da * a.s) + sb * (b.t + db * b.s);
+  a.s = sa * a.s + sb * b.s;
+  a.m = m;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> logits_fwd_cpu(
+    const Tensor& hidden_in, const Tensor& weight_in, const Tensor& targets_in,
+    const std::optional<Tensor>& bias, double temperature, int64_t ignore_index,
+    bool return_entropy, const Tensor& logits) {
+  const Tensor hidden = as_f32(hidden_in);
+  const Tensor weight = weight_in.contiguous();
+  const Tensor targets = targets_in.contiguous();
+  const int64_t M = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  const Tensor bias_t = bias.has_value() ? as_f32(*bias, inv_t) : Tensor();
+  const float* b = bias_t.defined() ? bias_t.const_data_ptr<float>() : nullptr;
+  const float* h = hidden.const_data_ptr<float>();
+  const int64_t* y = targets.const_data_ptr<int64_t>();
+  const bool convert_w = weight.scalar_type() != at::kFloat;
+  float* z_all = logits.data_ptr<float>();
+
+  Tensor logp = at::empty({M}, at::kFloat), lse = at::empty({M}, at::kFloat);
+  Tensor entropy = at::empty({return_entropy ? M : 0}, at::kFloat);
+  const int64_t blocks = cdiv(M, BLOCK_N), splits = cdiv(V, SPLIT_V);
+  std::vector<RowState> part(splits * M);
+  const int threads = task_threads(blocks * splits);
+  Tensor w_buf = scratch_f32(convert_w ? threads * BLOCK_V * H : 0);
+  float* w_all = w_buf.data_ptr<float>();
+  parallel_tasks(blocks * splits, [&](int64_t task, int thread) {
+    const int64_t blk = task / splits, split = task % splits;
+    const int64_t n0 = blk * BLOCK_N, rows = std::min(BLOCK_N, M - n0);
+    const int64_t v_end = std::min(V, (split + 1) * SPLIT_V);
+    float* w_scratch = convert_w ? w_all + thread * BLOCK_V * H : nullptr;
+    RowState* state = part.data() + split * M + n0;
+    for (int64_t v0 = split * SPLIT_V; v0 < v_end; v0 += BLOCK_V) {
+      const int64_t cols = std::min(BLOCK_V, v_end - v0);
+      const float* w = rows_f32(weight, v0, cols, w_scratch);
+      float* z = z_all + n0 * V + v0;
+      gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w, H, 0.f, z, V);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* zr = z + r * V;
+        if (b != nullptr) {
+          for (int64_t j = 0; j < cols; ++j) zr[j] += b[v0 + j];
+        }
+        const int64_t local = y[n0 + r] - v0;
+        if (local >= 0 && local < cols) state[r].z_y = zr[local];
+        online_update(zr, cols, return_entropy, state[r]);
+      }
+    }
+  });
+  float* out_ent = return_entropy ? entropy.data_ptr<float>() : nullptr;
+  for (int64_t n = 0; n < M; ++n) {
+    RowState st = part[n];
+    for (int64_t k = 1; k < splits; ++k) merge_state(st, part[k * M + n]);
+    finish_row(st, y[n] != ignore_index, lse.data_ptr<float>() + n, logp.data_ptr<float>() + n,
+               out_ent != nullptr ? out_ent + n : nullptr);
+  }
+  return {logp, lse, entropy};
+}
+
+void logits_bwd_cpu(const Tensor& logits, const Tensor& hidden_in, const Tensor& weight_in,
+                    const Tensor& targets_in, const Tensor& lse_in,
+                    const std::optional<Tensor>& entropy, const std::optional<Tensor>& grad_logp,
+                    const std::optional<Tensor>& grad_entropy, double temperature,
+                    int64_t ignore_index, const std::optional<Tensor>& dh,
+                    const std::optional<Tensor>& dw, const std::optional<Tensor>& db,
+                    bool accumulate) {
+  const bool need_h = dh.has_value(), need_w = dw.has_value(), need_b = db.has_value();
+  const Tensor weight = weight_in.contiguous();
+  const Tensor targets = targets_in.contiguous();
+  const Tensor lse_t = as_f32(lse_in);
+  const int64_t M = hidden_in.size(0), H = hidden_in.size(1), V = weight.size(0);
+  if (M == 0) {
+    if (need_w && !accumulate) dw->zero_();
+    if (need_b && !accumulate) db->zero_();
+    return;
+  }
+  const float inv_t = static_cast<float>(1.0 / temperature);
+  const int64_t* y = targets.const_data_ptr<int64_t>();
+  const float* lse = lse_t.const_data_ptr<float>();
+  const bool with_ent = grad_entropy.has_value() && entropy.has_value();
+  const Tensor g_t = grad_logp.has_value() ? as_f32(*grad_logp) : Tensor();
+  const Tensor gh_t = with_ent ? as_f32(*grad_entropy) : Tensor();
+  const Tensor ent_t = with_ent ? as_f32(*entropy) : Tensor();
+  std::vector<RowCoef> coef(M);
+  bool any_ignored = false;
+  for (int64_t n = 0; n < M; ++n) {
+    const bool valid = y[n] != ignore_index;
+    any_ignored = any_ignored || !valid;
+    coef[n] = row_coef(valid, valid && g_t.defined() ? g_t.const_data_ptr<float>()[n] : 0.f,
+                       valid && with_ent ? gh_t.const_data_ptr<float>()[n] : 0.f,
+                       valid && with_ent ? ent_t.const_data_ptr<float>()[n] : 0.f, inv_t);
+  }
+  // dW's hidden operand: ignored rows set to 0, not multiplied by their 0 rows of dz (NaN·0).
+  Tensor hidden = as_f32(hidden_in);
+  if (need_w && any_ignored) {
+    hidden = hidden.clone();
+    float* hm = hidden.data_ptr<float>();
+    for (int64_t n = 0; n < M; ++n) {
+      if (y[n] == ignore_index) std::memset(hm + n * H, 0, sizeof(float) * H);
+    }
+  }
+  const float* h = hidden.const_data_ptr<float>();
+
+  float* z_all = logits.data_ptr<float>();
+  const int64_t sweeps = cdiv(V, SWEEP_V), lanes = std::min(LANES, sweeps);
+  const bool convert_w = weight.scalar_type() != at::kFloat;
+  Tensor parts = scratch_f32(need_h ? (lanes - 1) * M * H : 0);
+  Tensor w_buf = scratch_f32(convert_w ? lanes * SWEEP_V * H : 0);
+  float* dhs = need_h ? dh->data_ptr<float>() : nullptr;
+  float* dws = need_w ? dw->data_ptr<float>() : nullptr;
+  float* dbs = need_b ? db->data_ptr<float>() : nullptr;
+  parallel_tasks(lanes, [&](int64_t lane, int) {
+    float* w_scratch = convert_w ? w_buf.data_ptr<float>() + lane * SWEEP_V * H : nullptr;
+    float* dh_part = lane == 0 ? dhs : parts.data_ptr<float>() + (lane - 1) * M * H;
+    const int64_t s_begin = lane * sweeps / lanes, s_end = (lane + 1) * sweeps / lanes;
+    for (int64_t s = s_begin; s < s_end; ++s) {
+      const int64_t s0 = s * SWEEP_V, cols = std::min(SWEEP_V, V - s0);
+      float* z = z_all + s0;
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t local = y[r] - s0;
+        const bool hit = local >= 0 && local < cols && y[r] != ignore_index;
+        dlogits_row(z + r * V, nullptr, cols, hit ? local : -1, lse[r], coef[r]);
+      }
+      if (need_h) {
+        const float* w = rows_f32(weight, s0, cols, w_scratch);
+        gemm_nn(M, H, cols, 1.f, z, V, w, H, s == s_begin ? 0.f : 1.f, dh_part, H);
+      }
+      if (need_w) gemm_tn(cols, H, M, 1.f, z, V, h, H, accumulate ? 1.f : 0.f, dws + s0 * H, H);
+      if (need_b) {
+        float* acc = dbs + s0;
+        if (!accumulate) std::memset(acc, 0, sizeof(float) * cols);
+        for (int64_t r = 0; r < M; ++r) {
+          const float* dzr = z + r * V;
+          for (int64_t j = 0; j < cols; ++j) acc[j] += dzr[j];
+        }
+      }
+    }
+  });
+  if (need_h) {
+    for (int64_t lane = 1; lane < lanes; ++lane) {
+      const float* p = parts.data_ptr<float>() + (lane - 1) * M * H;
+      for (int64_t i = 0; i < M * H; ++i) dhs[i] += p[i];
+    }
+  }
+}
+
+}  // namespace fgrpo
