@@ -1,17 +1,20 @@
-// Single pass of the fused linear log-prob on CPU: the logits of one chunk of rows stay in a
-// buffer between the log-sum-exp and the gradient (docs/math.md §5, "Single pass").
+// Single pass of the fused linear log-prob on CPU: one chunk of rows whose logits, once
+// exponentiated, stay in a buffer between the log-sum-exp and the gradient (docs/math.md §5,
+// "Single pass").
 //
-//   logits_fwd: z = (h W^T + b)/τ into logits [M, V] (fp32), one BLOCK_N x BLOCK_V tile at a
-//     time, each tile folded into the online (m, s, t) of its rows while it is in cache
-//     → lse, logp, entropy. Tasks: (token block, vocab split of SPLIT_V); the splits' partial
-//     states merge in split order.
-//   logits_bwd: logits → dz in place (the rule of logprob_bwd.cpp), dh = dz W, dW (+)= dz^T h,
-//     db (+)= Σ_n dz. One task per lane, a fixed run of SWEEP_V-wide vocab sweeps: each sweep's
-//     dz tile is formed and fed to both products while it is in cache; the lanes' dh partials
-//     add up in lane order.
-// Three GEMM-sized passes over the chunk (z, dh, dW) where the two-pass path takes four (it
-// recomputes z in backward). Every output element has one owner and a fixed summation order:
-// bitwise the same whatever the thread count.
+//   logits_fwd: z = (h W^T + b)/τ, one BLOCK_N x BLOCK_V tile at a time into the buffer, folded
+//     into the online (m, s, t) of its rows while in cache, and left there as e = e^(z − m_t)
+//     with the tile's reference m_t beside the row (the target's column keeps z_y) → lse, logp,
+//     entropy. Tasks: (token block, vocab split of SPLIT_V); the splits merge in split order.
+//   logits_bwd: p = e·e^(m_t − lse) (one product per entry where the two-pass backward takes
+//     an exp; u = log e + m_t − lse only for an entropy gradient), dz in place by the rule of
+//     logprob_bwd.cpp, dh = dz W, dW (+)= dz^T h, db (+)= Σ_n dz. One task per lane, a fixed
+//     run of SWEEP_V-wide vocab sweeps: each sweep's dz tile is formed and fed to both products
+//     while in cache; the lanes' dh partials add up in lane order.
+// Buffer rows: V entries, then cdiv(V, BLOCK_V) tile references (`buffer_cols`). Three
+// GEMM-sized passes over the chunk (z, dh, dW) where the two-pass path takes four (it
+// recomputes z). Every output element has one owner and a fixed summation order: bitwise the
+// same whatever the thread count.
 #include "logprob.h"
 
 #include <ATen/ops/empty.h>
@@ -24,6 +27,42 @@ namespace {
 constexpr int64_t SPLIT_V = 8192;  // vocab entries per forward task
 constexpr int64_t SWEEP_V = 512;   // vocab entries per backward sweep (the dz tile's width)
 constexpr int64_t LANES = 4;       // backward tasks (fixed: the dh partials' order is fixed)
+static_assert(SPLIT_V % BLOCK_V == 0 && BLOCK_V % SWEEP_V == 0, "a sweep lies in one tile");
+
+// dz of one row segment in place from e = e^(z − m_t) (one tile's reference m_t; the target's
+// entry, at `local` or −1, holds z_y): p = e·e^(m_t − lse), dz = p·(a + c·u) + onehot·gy.
+void dlogits_from_exp(float* er, int64_t cols, int64_t local, float m_t, float lse, RowCoef k) {
+  if (k.a == 0.f && k.c == 0.f && k.gy == 0.f) {
+    std::memset(er, 0, sizeof(float) * cols);
+    return;
+  }
+  const float u_y = local >= 0 ? er[local] - lse : 0.f;
+  const float shift = m_t - lse, f = std::exp(shift);
+  constexpr int64_t W = Vec::size();
+  const int64_t vec_end = cols - cols % W;
+  if (k.c == 0.f) {
+    const Vec va(f * k.a);
+    for (int64_t j = 0; j < vec_end; j += W) (Vec::loadu(er + j) * va).store(er + j);
+    for (int64_t j = vec_end; j < cols; ++j) er[j] *= f * k.a;
+  } else {
+    // u = log e + shift, floored where e^u is 0 in fp32 (log 0 = −inf)
+    const Vec vf(f), vs(shift), va(k.a), vc(k.c), vfloor(EXP_ZERO_BELOW);
+    for (int64_t j = 0; j < vec_end; j += W) {
+      const Vec e = Vec::loadu(er + j);
+      const Vec u = at::vec::maximum(e.log() + vs, vfloor);
+      (e * vf * at::vec::fmadd(vc, u, va)).store(er + j);
+    }
+    for (int64_t j = vec_end; j < cols; ++j) {
+      const float u = std::max(std::log(er[j]) + shift, EXP_ZERO_BELOW);
+      er[j] = er[j] * f * (k.a + k.c * u);
+    }
+  }
+  // NB: as in dlogits_row: the target's g·(1 − p_y)/τ as −(g/τ)·expm1(u_y), from z_y itself.
+  if (local >= 0) {
+    const float u_lin = std::max(u_y, EXP_ZERO_BELOW);
+    er[local] = -k.gy * std::expm1(u_y) + std::exp(u_y) * (k.a + k.gy + k.c * u_lin);
+  }
+}
 
 // Merges the state of a later vocab split into `a` (the combine rule of the online LSE).
 void merge_state(RowState& a, const RowState& b) {
@@ -55,6 +94,7 @@ std::tuple<Tensor, Tensor, Tensor> logits_fwd_cpu(
   const int64_t* y = targets.const_data_ptr<int64_t>();
   const bool convert_w = weight.scalar_type() != at::kFloat;
   float* z_all = logits.data_ptr<float>();
+  const int64_t LD = buffer_cols(V);
 
   Tensor logp = at::empty({M}, at::kFloat), lse = at::empty({M}, at::kFloat);
   Tensor entropy = at::empty({return_entropy ? M : 0}, at::kFloat);
@@ -72,16 +112,19 @@ std::tuple<Tensor, Tensor, Tensor> logits_fwd_cpu(
     for (int64_t v0 = split * SPLIT_V; v0 < v_end; v0 += BLOCK_V) {
       const int64_t cols = std::min(BLOCK_V, v_end - v0);
       const float* w = rows_f32(weight, v0, cols, w_scratch);
-      float* z = z_all + n0 * V + v0;
-      gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w, H, 0.f, z, V);
+      float* z = z_all + n0 * LD + v0;
+      gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w, H, 0.f, z, LD);
       for (int64_t r = 0; r < rows; ++r) {
-        float* zr = z + r * V;
+        float* zr = z + r * LD;
         if (b != nullptr) {
           for (int64_t j = 0; j < cols; ++j) zr[j] += b[v0 + j];
         }
         const int64_t local = y[n0 + r] - v0;
-        if (local >= 0 && local < cols) state[r].z_y = zr[local];
-        online_update(zr, cols, return_entropy, state[r]);
+        const bool hit = local >= 0 && local < cols;
+        if (hit) state[r].z_y = zr[local];
+        const float m_t = online_update(zr, cols, return_entropy, state[r], true);
+        if (hit) zr[local] = state[r].z_y;
+        z_all[(n0 + r) * LD + V + v0 / BLOCK_V] = m_t;
       }
     }
   });
@@ -140,6 +183,7 @@ void logits_bwd_cpu(const Tensor& logits, const Tensor& hidden_in, const Tensor&
   const float* h = hidden.const_data_ptr<float>();
 
   float* z_all = logits.data_ptr<float>();
+  const int64_t LD = buffer_cols(V);
   const int64_t sweeps = cdiv(V, SWEEP_V), lanes = std::min(LANES, sweeps);
   const bool convert_w = weight.scalar_type() != at::kFloat;
   Tensor parts = scratch_f32(need_h ? (lanes - 1) * M * H : 0);
@@ -157,18 +201,19 @@ void logits_bwd_cpu(const Tensor& logits, const Tensor& hidden_in, const Tensor&
       for (int64_t r = 0; r < M; ++r) {
         const int64_t local = y[r] - s0;
         const bool hit = local >= 0 && local < cols && y[r] != ignore_index;
-        dlogits_row(z + r * V, nullptr, cols, hit ? local : -1, lse[r], coef[r]);
+        const float m_t = z_all[r * LD + V + s0 / BLOCK_V];
+        dlogits_from_exp(z + r * LD, cols, hit ? local : -1, m_t, lse[r], coef[r]);
       }
       if (need_h) {
         const float* w = rows_f32(weight, s0, cols, w_scratch);
-        gemm_nn(M, H, cols, 1.f, z, V, w, H, s == s_begin ? 0.f : 1.f, dh_part, H);
+        gemm_nn(M, H, cols, 1.f, z, LD, w, H, s == s_begin ? 0.f : 1.f, dh_part, H);
       }
-      if (need_w) gemm_tn(cols, H, M, 1.f, z, V, h, H, accumulate ? 1.f : 0.f, dws + s0 * H, H);
+      if (need_w) gemm_tn(cols, H, M, 1.f, z, LD, h, H, accumulate ? 1.f : 0.f, dws + s0 * H, H);
       if (need_b) {
         float* acc = dbs + s0;
         if (!accumulate) std::memset(acc, 0, sizeof(float) * cols);
         for (int64_t r = 0; r < M; ++r) {
-          const float* dzr = z + r * V;
+          const float* dzr = z + r * LD;
           for (int64_t j = 0; j < cols; ++j) acc[j] += dzr[j];
         }
       }

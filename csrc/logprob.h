@@ -51,8 +51,10 @@ struct RowState {
   float z_y = 0.f;
 };
 
-// Folds one tile row z[0, cols) into the running (m, s, t) of its row.
-inline void online_update(const float* z, int64_t cols, bool with_entropy, RowState& st) {
+// Folds one tile row z[0, cols) into the running (m, s, t) of its row; returns the reference
+// m_ref the tile's e^(z − m_ref) were taken against, and with `store_exp` leaves those in z.
+inline float online_update(float* z, int64_t cols, bool with_entropy, RowState& st,
+                           bool store_exp = false) {
   constexpr int64_t W = Vec::size();
   const int64_t vec_end = cols - cols % W;
   Vec vmax(-std::numeric_limits<float>::infinity());
@@ -69,12 +71,14 @@ inline void online_update(const float* z, int64_t cols, bool with_entropy, RowSt
     const Vec e = u.exp();
     vs = vs + e;
     if (with_entropy) vt = at::vec::fmadd(e, at::vec::maximum(u, vfloor), vt);
+    if (store_exp) e.store(z + j);
   }
   float s_tile = vs.reduce_add(), t_tile = vt.reduce_add();
   for (int64_t j = vec_end; j < cols; ++j) {
     const float u = z[j] - m_ref, e = std::exp(u);
     s_tile += e;
     t_tile += e * std::max(u, EXP_ZERO_BELOW);
+    if (store_exp) z[j] = e;
   }
   if (st.m == -std::numeric_limits<float>::infinity()) {
     st.s = s_tile;
@@ -85,6 +89,7 @@ inline void online_update(const float* z, int64_t cols, bool with_entropy, RowSt
     st.s = scale * st.s + s_tile;
   }
   st.m = m_new;
+  return m_ref;
 }
 
 // lse, logp and entropy of a finished row (logp and entropy 0 where the target is ignored).
@@ -195,9 +200,11 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
     double temperature, int64_t ignore_index, bool need_hidden, bool need_weight,
     bool need_bias);
 
-// Single pass (logits_chunk.cpp): the chunk's logits z = (h W^T + b)/τ are written to `logits`
-// [M, V] fp32; logits_bwd turns them into dz in place and writes dh [M, H] (fp32), and adds to
-// (or, without `accumulate`, writes) dw [V, H] and db [V] (fp32).
+// Single pass (logits_chunk.cpp): logits_fwd leaves the chunk's exponentiated logits in
+// `logits` [M, buffer_cols(V)] fp32; logits_bwd turns them into dz in place and writes dh
+// [M, H] (fp32), and adds to (or, without `accumulate`, writes) dw [V, H] and db [V] (fp32).
+inline int64_t buffer_cols(int64_t V) { return V + cdiv(V, BLOCK_V); }
+
 std::tuple<Tensor, Tensor, Tensor> logits_fwd_cpu(
     const Tensor& hidden, const Tensor& weight, const Tensor& targets,
     const std::optional<Tensor>& bias, double temperature, int64_t ignore_index,

@@ -87,7 +87,7 @@ std::tuple<Tensor, Tensor, Tensor> chunk_fwd(const Tensor& hidden, const Tensor&
                                              double temperature, int64_t ignore_index,
                                              bool return_entropy, const Tensor& logits) {
   check_inputs(hidden, weight, targets, bias, temperature, ignore_index);
-  check_f32("logits", logits, {hidden.size(0), weight.size(0)});
+  check_f32("logits", logits, {hidden.size(0), buffer_cols(weight.size(0))});
   return logits_fwd_cpu(hidden, weight, targets, bias, temperature, ignore_index, return_entropy,
                         logits);
 }
@@ -101,7 +101,7 @@ void chunk_bwd(const Tensor& logits, const Tensor& hidden, const Tensor& weight,
                bool accumulate) {
   check_inputs(hidden, weight, targets, bias, temperature, ignore_index);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
-  check_f32("logits", logits, {N, V});
+  check_f32("logits", logits, {N, buffer_cols(V)});
   TORCH_CHECK_VALUE(lse.numel() == N, "lse: expected ", N, " values; got ", lse.numel());
   for (const auto* t : {&entropy, &grad_logp, &grad_entropy}) {
     TORCH_CHECK_VALUE(!t->has_value() || (*t)->numel() == N,

@@ -157,7 +157,7 @@ def run(backend, max_rows, chunks, hidden, weight, targets, bias, lp_opts: LogPr
         N, H = h.shape
         V = w.shape[0]
         acc = torch.promote_types(h.dtype, torch.float32)
-        logits = h.new_empty((min(max_rows, N), V), dtype=acc)
+        logits = backend.logits_buffer(min(max_rows, N), V, h)
         logp = h.new_zeros(N, dtype=acc)
         ent = h.new_zeros(N, dtype=acc) if entropy else None
         dh = h.new_empty((N, H)) if needs[0] else None

@@ -29,6 +29,11 @@ def bytes_per_row(hidden: torch.Tensor, V: int) -> int:
     return V * acc_dtype(hidden).itemsize
 
 
+def logits_buffer(rows: int, V: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The single pass's logits buffer for `rows` rows (uninitialised)."""
+    return torch.empty(rows, V, dtype=acc_dtype(hidden))
+
+
 def unsupported(hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why a single pass cannot run here: never (every dtype mix is converted per tile)."""
     return None

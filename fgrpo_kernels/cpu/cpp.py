@@ -24,7 +24,7 @@ import torch
 
 from ..options import LogProbOptions
 from . import chunked
-from .chunked import bytes_per_row, unsupported  # noqa: F401 - the same for both CPU backends
+from .chunked import unsupported  # noqa: F401 - the same for both CPU backends
 
 SOURCES = ("ops.cpp", "logprob_fwd.cpp", "logprob_bwd.cpp", "logits_chunk.cpp", "tiles.cpp")
 HEADERS = ("logprob.h",)
@@ -280,9 +280,26 @@ def logprob_bwd(
     return dh if need_h else None, dw if need_w else None, db if need_b else None
 
 
+BUFFER_TILE = 1024  # BLOCK_V of csrc/logprob.h: each row ends with one reference per vocab tile
+
+
+def bytes_per_row(hidden: torch.Tensor, V: int) -> int:
+    """Bytes per row of the single pass's buffer: V fp32 entries and one per vocab tile."""
+    if _wide(hidden):
+        return chunked.bytes_per_row(hidden, V)
+    return 4 * (V + -(-V // BUFFER_TILE))
+
+
+def logits_buffer(rows: int, V: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The single pass's buffer for `rows` rows (uninitialised)."""
+    if _wide(hidden):
+        return chunked.logits_buffer(rows, V, hidden)
+    return torch.empty(rows, bytes_per_row(hidden, V) // 4, dtype=torch.float32)
+
+
 def logits_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool, logits):
     """One chunk of the single pass: (logp [M], lse [M], entropy [M] | None) of hidden [M, H],
-    leaving the chunk's logits in `logits` [M, V] fp32 for `logits_bwd`."""
+    leaving the chunk's exponentiated logits in `logits` (`logits_buffer`) for `logits_bwd`."""
     if _wide(hidden, weight):
         return chunked.logits_fwd(hidden, weight, targets, bias, opts, return_entropy, logits)
     logp, lse, entropy = torch.ops.fgrpo.logits_fwd(

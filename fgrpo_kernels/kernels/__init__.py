@@ -5,8 +5,16 @@ signatures and semantics of `fgrpo_kernels.cpu.chunked`; `epilogue` holds the lo
 behind `fgrpo_kernels.epilogue`.
 """
 
-from .logits_rows import bytes_per_row, logits_bwd, logits_fwd, unsupported
+from .logits_rows import bytes_per_row, logits_buffer, logits_bwd, logits_fwd, unsupported
 from .logprob_bwd import logprob_bwd
 from .logprob_fwd import logprob_fwd
 
-__all__ = ["bytes_per_row", "logits_bwd", "logits_fwd", "logprob_bwd", "logprob_fwd", "unsupported"]
+__all__ = [
+    "bytes_per_row",
+    "logits_buffer",
+    "logits_bwd",
+    "logits_fwd",
+    "logprob_bwd",
+    "logprob_fwd",
+    "unsupported",
+]

@@ -150,6 +150,11 @@ def bytes_per_row(hidden: torch.Tensor, V: int) -> int:
     return V * (4 + (hidden.element_size() if hidden.dtype in configs.LOWP else 0))
 
 
+def logits_buffer(rows: int, V: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The fp32 logits buffer for `rows` rows (uninitialised)."""
+    return torch.empty(rows, V, dtype=torch.float32, device=hidden.device)
+
+
 def _meta(kernel) -> tuple[configs.RowConfig, dict]:
     cfg = configs.row_config(interpreted(kernel))
     return cfg, {"BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v, "num_warps": cfg.num_warps}
