@@ -2,6 +2,7 @@
 
     python bench/train_memory.py                      # V 32768, H 64, 4 × 4096 completion tokens
     python bench/train_memory.py --variants fused,trl,logits --batch 2
+    python bench/train_memory.py --vllm-is sequence_mask   # with TRL's vLLM IS correction on
 
 One step = TRL's `_compute_loss` + backward on a fixed synthetic batch (dapo, token level, with
 old and reference log-probs), for a tiny Llama (2 layers, hidden H) with a real-size vocabulary
@@ -12,6 +13,10 @@ V and a long completion. Variants, each in a fresh subprocess:
 - `logits`: the textbook pipeline that materialises the [B, T, V] logits, then log_softmax;
 - `backbone`: the backbone alone (forward + backward of a mean of its last hidden state), the
   floor every variant shares.
+
+`--vllm-is MODE` turns on TRL's vLLM importance-sampling correction (`use_vllm`,
+`vllm_importance_sampling_correction`, the given mode) with sampling log-probs 0.1 off the old
+ones, as a vLLM rollout gives; `--bias-correction-kl` turns on TRL's default bias-corrected KL.
 
 Peak = VmHWM − VmRSS around the step, with the high-water mark reset (/proc/self/clear_refs)
 after the model, trainer and batch were built. Linux only.
@@ -28,6 +33,7 @@ import tempfile
 import time
 
 VARIANTS = ("fused", "trl", "logits", "backbone")
+VLLM_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def _batch(args, torch):
@@ -35,7 +41,7 @@ def _batch(args, torch):
     B, P, T, V = args.batch, args.prompt_length, args.completion_length, args.vocab
     mask = torch.ones(B, T, dtype=torch.long)
     mask[1::2, T - T // 4 :] = 0  # ragged: every other completion ends early
-    return {
+    batch = {
         "prompt_ids": torch.randint(3, V, (B, P), generator=g),
         "prompt_mask": torch.ones(B, P, dtype=torch.long),
         "completion_ids": torch.randint(3, V, (B, T), generator=g),
@@ -45,6 +51,19 @@ def _batch(args, torch):
         "old_per_token_logps": (-12.0 + 0.3 * torch.randn(B, T, generator=g)) * mask,
         "ref_per_token_logps": (-12.0 + 0.3 * torch.randn(B, T, generator=g)) * mask,
     }
+    if args.vllm_is:  # TRL's ratio from the rollout engine's log-probs, in the given mode
+        old = batch["old_per_token_logps"]
+        sampling = old + 0.1 * torch.randn(B, T, generator=g)
+        diff = (old - sampling) * mask
+        if args.vllm_is.startswith("sequence"):
+            diff = diff.sum(-1, keepdim=True)
+        ratio = torch.exp(diff)
+        if args.vllm_is.endswith("truncate"):
+            ratio = ratio.clamp(max=3.0)
+        else:
+            ratio = ratio.masked_fill(ratio > 3.0, 0.0)
+        batch.update(sampling_per_token_logps=sampling, importance_sampling_ratio=ratio)
+    return batch
 
 
 def child(args) -> dict:
@@ -71,8 +90,8 @@ def child(args) -> dict:
     config = FusedGRPOConfig(
         output_dir=path, per_device_train_batch_size=args.batch, num_generations=args.batch,
         max_completion_length=args.completion_length, beta=args.beta, loss_type="dapo",
-        use_bias_correction_kl=False, bf16=False, use_cpu=True, report_to="none",
-        save_strategy="no",
+        use_bias_correction_kl=args.bias_correction_kl, bf16=False, use_cpu=True,
+        report_to="none", save_strategy="no",
     )  # fmt: skip
     cls = FusedGRPOTrainer if args.child == "fused" else GRPOTrainer
     trainer = cls(
@@ -82,6 +101,9 @@ def child(args) -> dict:
     )  # fmt: skip
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
+    if args.vllm_is:  # as GRPOConfig(use_vllm=True, ...) would set, without a vLLM server
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+        trainer.vllm_importance_sampling_mode = args.vllm_is
     batch = _batch(args, torch)
     T = args.completion_length
 
@@ -96,6 +118,8 @@ def child(args) -> dict:
         return reference.grpo_loss(
             logps, inputs["old_per_token_logps"], inputs["ref_per_token_logps"],
             inputs["advantages"], mask, "dapo", args.beta,
+            use_bias_correction_kl=args.bias_correction_kl,
+            vllm_is_ratio=inputs.get("importance_sampling_ratio"),
         )  # fmt: skip
 
     def backbone_only(model, inputs):
@@ -130,6 +154,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--completion-length", type=int, default=4096)
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vllm-is", choices=VLLM_MODES, help="TRL's vLLM IS correction in this mode")
+    p.add_argument("--bias-correction-kl", action="store_true", help="TRL's default KL")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
 
@@ -141,6 +167,8 @@ def run(args) -> int:
     rows = []
     options = ("vocab", "hidden", "batch", "prompt_length", "completion_length", "beta", "threads")
     passthrough = [x for k in options for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+    passthrough += ["--vllm-is", args.vllm_is] if args.vllm_is else []
+    passthrough += ["--bias-correction-kl"] if args.bias_correction_kl else []
     for variant in args.variants.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--child", variant]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -151,6 +179,8 @@ def run(args) -> int:
     shape = (
         f"V={args.vocab} H={args.hidden} B={args.batch} T={args.completion_length} "
         f"(prompt {args.prompt_length}), dapo, beta={args.beta}, fp32, CPU"
+        f"{', vLLM IS ' + args.vllm_is if args.vllm_is else ''}"
+        f"{', bias-corrected KL' if args.bias_correction_kl else ''}"
     )
     print(f"one training step (loss + backward), peak RSS increase; {shape}")
     print("| variant | peak MiB | seconds | loss |\n|---|---:|---:|---:|")

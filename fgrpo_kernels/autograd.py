@@ -116,24 +116,31 @@ class LinearLogProbFunction(torch.autograd.Function):
 
 
 class EpilogueFunction(torch.autograd.Function):
-    """loss = epilogue(logps, ...) whose forward already returns dL/dlogps; backward scales it.
+    """loss = epilogue(logps, *args) whose forward already returns the gradients.
 
-    `epilogue(logps, *args) -> (loss, dloss_dlogps)` is one of the `fgrpo_kernels.epilogue`
-    functions; only `logps` is differentiable.
+    `epilogue(logps, *args) -> (loss, dloss_dlogps[, dloss_dargs0])` is one of the
+    `fgrpo_kernels.epilogue` functions. `logps` is differentiable, and so is `args[0]` (the
+    per-token entropy) when the epilogue returns a third, non-None gradient for it.
     """
 
     @staticmethod
     def forward(ctx, logps, epilogue, *args):
-        loss, grad = epilogue(logps, *args)
-        ctx.save_for_backward(grad, logps)
+        loss, *grads = epilogue(logps, *args)
+        ctx.has_arg_grad = len(grads) > 1 and grads[1] is not None
+        # logps (and the entropy) are saved for `first_order_only`: the inputs stay reachable
+        saved = [grads[0], logps] + ([grads[1], args[0]] if ctx.has_arg_grad else [])
+        ctx.save_for_backward(*saved)
         ctx.n_args = len(args)
         return loss
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad_loss):
-        grad, _ = ctx.saved_tensors
-        return (grad * grad_loss, None) + (None,) * ctx.n_args
+        grad, _, *arg_grad = ctx.saved_tensors
+        rest = [None] * ctx.n_args
+        if ctx.has_arg_grad and ctx.needs_input_grad[2]:
+            rest[0] = arg_grad[0] * grad_loss
+        return (grad * grad_loss, None, *rest)
 
 
 SPENT = (

@@ -1,9 +1,11 @@
 """The loss epilogue: from per-token log-probs to (loss, dL/dlogp) in one pass, no vocabulary.
 
-Every loss of docs/math.md is a function of the fp32 per-token log-probs [B, T] and O(B·T) side
-inputs. The epilogue returns the loss *and* its gradient with respect to the log-probs, so the
-fused modules run [log-prob kernel → epilogue] forward and [log-prob backward fed dL/dlogp ·
-grad_output] backward. Two implementations share the signatures below:
+Every loss of docs/math.md is a function of the fp32 per-token log-probs [B, T] (and, for the
+entropy mask and bonus, the entropies) and O(B·T) side inputs. The epilogue returns the loss
+*and* its gradient with respect to the log-probs (and the entropies), so the fused modules run
+[log-prob kernel → epilogue] forward and [log-prob backward fed dL/dlogp · grad_output and
+dL/dH · grad_output] backward. Batch-wide normalisers are inputs (`grpo_math.Normalisers`).
+Two implementations share the signatures below:
 
 - Triton (`kernels.epilogue`), on CUDA tensors and under TRITON_INTERPRET=1;
 - PyTorch: autograd of the option-taking `reference` losses on a detached leaf (exact; the CPU
@@ -16,22 +18,43 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import grpo_math, reference
 from .autograd import use_triton
 from .options import FDOOptions, FGRPOOptions, GIFTOptions, GRPOOptions, Level, Reduction
 
 
-def _with_grad(loss_fn, logps: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, dloss/dlogps) of a reference loss, by autograd on a detached float64 leaf.
+def _autograd(loss_fn, logps, *args, entropy=None, entropy_grad=False, **kwargs):
+    """(loss, dloss/dlogps, dloss/dentropy | None) of a reference loss, by autograd on detached
+    float64 leaves; `entropy` is passed to the loss as its keyword of that name.
 
     NB: O(B·T) work, so float64 costs nothing here and keeps slopes that cancel in fp32
     (sech² of a saturated tanh, a z-score's eps-only gradient) exact; results come back in
     the dtype of `logps`."""
     with torch.enable_grad():
         x = logps.detach().double().requires_grad_(True)
-        loss = loss_fn(x, *args)
-        (grad,) = torch.autograd.grad(loss, x)
-    return loss.detach().to(logps.dtype), grad.to(logps.dtype)
+        leaves = [x]
+        if entropy is not None:
+            kwargs["entropy"] = entropy.detach().double().requires_grad_(entropy_grad)
+            leaves += [kwargs["entropy"]] if entropy_grad else []
+        loss = loss_fn(x, *args, **kwargs)
+        grads = torch.autograd.grad(loss, leaves)
+    dent = grads[1].to(logps.dtype) if entropy_grad else None
+    return loss.detach().to(logps.dtype), grads[0].to(logps.dtype), dent
+
+
+def _with_grad(loss_fn, logps: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, dloss/dlogps) of a reference loss (see `_autograd`)."""
+    return _autograd(loss_fn, logps, *args)[:2]
+
+
+def _minus_bonus(out, entropy, weights, scale):
+    """(loss − c·mean entropy, dL/dlogp, dL/dentropy) from a kernel's (loss, dL/dlogp); scale
+    = c / max(Σ weights, 1) or None (no bonus: dL/dentropy None)."""
+    loss, dlogp = out
+    if scale is None:
+        return loss, dlogp, None
+    bonus = grpo_math.entropy_bonus(entropy.float(), weights, scale)
+    return loss - bonus, dlogp, -(scale.float() * weights.float())
 
 
 def _no_tokens_zero(result: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor):
@@ -48,24 +71,45 @@ def _triton(device: torch.device):
     return None
 
 
-def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOptions):
-    """f-GRPO: (loss, dL/dlogps). `advantages` [B], or None with `rewards` [B] (then normalised
-    per group inside); `old_logps` [B, T] only for group_is_weights."""
+def fgrpo(logps, entropy, ref_logps, mask, advantages, rewards, old_logps, vllm_is_ratio,
+          opts: FGRPOOptions):  # fmt: skip
+    """f-GRPO: (loss, dL/dlogps, dL/dentropy | None). `advantages` [B], or None with `rewards`
+    [B] (then normalised per group inside); `old_logps` [B, T] only for group_is_weights;
+    `vllm_is_ratio` ρ weights each unit; `entropy` [B, T] for opts.entropy_coef."""
     kernels = _triton(logps.device)
-    if kernels is not None:
-        result = kernels.fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts)
-        return _no_tokens_zero(result, mask)
-    return _with_grad(reference.fgrpo, logps, ref_logps, mask, advantages, rewards, old_logps, opts)
+    bonus = opts.entropy_coef != 0.0
+    if kernels is None:
+        return _autograd(
+            reference.fgrpo, logps, ref_logps, mask, advantages, rewards, old_logps, opts,
+            vllm_is_ratio=vllm_is_ratio, entropy=entropy if bonus else None, entropy_grad=bonus,
+        )  # fmt: skip
+    out = kernels.fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts, vllm_is_ratio)
+    out = _no_tokens_zero(out, mask)
+    if not bonus:
+        return (*out, None)
+    m = mask.float()
+    return _minus_bonus(out, entropy, m, opts.entropy_coef / m.sum().clamp(min=1.0))
 
 
-def grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts: GRPOOptions):
-    """TRL/Liger GRPO family: (loss, dL/dlogps). old None → logps (ratio 1); ref None → no KL."""
+def grpo(logps, entropy, old_logps, ref_logps, mask, advantages, vllm_is_ratio, sampling_logps,
+         norms: grpo_math.Normalisers, opts: GRPOOptions):  # fmt: skip
+    """TRL/Liger GRPO family: (loss, dL/dlogps, dL/dentropy | None). old None → logps (ratio
+    1); ref None → no KL; `entropy` [B, T] for the entropy mask and bonus; `norms` the batch's
+    `grpo_math.Normalisers` (row scales, entropy threshold, bonus scale)."""
     kernels = _triton(logps.device)
-    if kernels is not None:
-        return kernels.grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts)
-    return _with_grad(
-        reference.grpo, logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts
-    )
+    bonus = norms.entropy_scale is not None
+    if kernels is None:
+        return _autograd(
+            reference.grpo, logps, old_logps, ref_logps, mask, advantages, None, opts,
+            vllm_is_ratio=vllm_is_ratio, entropy=entropy, entropy_grad=bonus,
+            sampling_logps=sampling_logps, norms=norms,
+        )  # fmt: skip
+    out = kernels.grpo(
+        logps, old_logps, ref_logps, mask, advantages, opts, norms, vllm_is_ratio, entropy,
+        sampling_logps,
+    )  # fmt: skip
+    weights = grpo_math.bonus_mask(mask, opts, entropy, norms.entropy_threshold) if bonus else None
+    return _minus_bonus(out, entropy, weights, norms.entropy_scale)
 
 
 def gift(logps, ref_logps, mask, rewards, opts: GIFTOptions):

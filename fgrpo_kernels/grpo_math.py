@@ -1,15 +1,27 @@
 """The GRPO family's pieces in PyTorch, one home each (see docs/math.md, "The GRPO family").
 
-The reference loss, the metrics, the Triton epilogue's launcher and the TRL glue all use these;
-nothing else writes them again. Shapes: logps, old, ref, mask [B, T]; advantages [B].
+The reference loss, the metrics, the Triton epilogue's launcher and the TRL / Liger glue all
+use these; nothing else writes them again. Shapes: logps, old, ref, mask [B, T]; advantages
+[B]; a ratio or a weight is [B, T] (per token) or [B, 1] (per sequence).
+
+One token's loss is `per_token_loss`: the loss type's policy term (`policy_term`) times the
+detached policy weights (`row_weight` · `token_weight`: off-policy mask, vLLM IS ratio, entropy
+mask, VESPO's gamma weight), plus β·k3 (times the ratio with bias correction). The loss is
+Σ_i n_i Σ_t mask·pt with n_i from `row_scale`, minus the entropy bonus.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from .divergences import sat_exp
-from .options import Level, LossType
+from .options import LOSS_TYPE_SPECS, GRPOOptions, Level, LossType, Normaliser, Objective
+
+VESPO_LOG_W_MIN = math.log(1e-8)  # TRL clamps log w_seq (and each log ρ) to [ln 1e-8, 20]
+VESPO_LOG_W_MAX = 20.0
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -41,20 +53,139 @@ def importance_ratio(logps, old, mask, level: Level) -> torch.Tensor:
     return sat_exp(log_ratio(logps, old, mask, level))
 
 
-def clipped_surrogate(ratio, advantages, epsilon_low: float, epsilon_high: float):
-    """−min(w·a, clamp(w, 1 − ε_low, 1 + ε_high)·a) per token (PPO's clipped objective)."""
-    a = advantages.unsqueeze(-1)
-    clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
-    return -torch.minimum(ratio * a, clipped * a)
+def as_2d(ratio: torch.Tensor | None) -> torch.Tensor | None:
+    """A vLLM IS ratio [B, T], [B, 1] or [B] as [B, T] or [B, 1]."""
+    return ratio.unsqueeze(-1) if ratio is not None and ratio.dim() == 1 else ratio
 
 
-def clip_indicators(ratio, advantages, epsilon_low: float, epsilon_high: float):
-    """(low, high) as floats: the ratio is clipped from below (a < 0, w < 1 − ε_low) or from
-    above (a > 0, w > 1 + ε_high), where the clipped branch carries no gradient."""
+# ----------------------------------------------------------------------------- policy term
+
+
+def policy_term(logps, lr, advantages, opts: GRPOOptions) -> torch.Tensor:
+    """The loss type's policy term per token, w = exp(lr) (saturating), a the advantage:
+
+    clipped: −min(min(w, δ)·a, clip(w, 1 − ε_low, 1 + ε_high)·a), capped at −a·c for a < 0
+    (dual clip); cispo: −sg(min(w, ε_high))·a·logp; sapo: −a·(4/τ)·σ(τ(w − 1)), τ = τ₊ for
+    a > 0 else τ₋; vespo: −a·logp (its detached gamma weight is a row weight)."""
     a = advantages.unsqueeze(-1)
-    low = ((ratio < 1.0 - epsilon_low) & (a < 0)).float()
-    high = ((ratio > 1.0 + epsilon_high) & (a > 0)).float()
-    return low, high
+    w = sat_exp(lr)
+    objective = opts.objective
+    if objective == Objective.CLIPPED:
+        unclipped = w if opts.delta is None else w.clamp(max=opts.delta)
+        clipped = w.clamp(1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high)
+        pt = -torch.minimum(unclipped * a, clipped * a)
+        if opts.clip_ratio_c is not None:
+            pt = torch.where(a < 0, torch.minimum(pt, -a * opts.clip_ratio_c), pt)
+        return pt
+    if objective == Objective.CISPO:
+        return -(w.clamp(max=opts.epsilon_high).detach() * a) * logps
+    if objective == Objective.SAPO:
+        tau = torch.where(a > 0, w.new_tensor(opts.sapo_temperature_pos),
+                          w.new_tensor(opts.sapo_temperature_neg))  # fmt: skip
+        return -a * torch.sigmoid(tau * (w - 1.0)) * (4.0 / tau)
+    return -a * logps
+
+
+def clip_indicators(ratio, advantages, opts: GRPOOptions):
+    """(low, high) as floats: where the policy term is clipped and carries no gradient. Clipped
+    family: a < 0 and w < 1 − ε_low (low), a > 0 and w > 1 + ε_high (high); cispo: a > 0 and
+    w > ε_high (high, TRL's cispo_clip_ratio); sapo and vespo never clip (zeros)."""
+    a = advantages.unsqueeze(-1)
+    zeros = torch.zeros_like(ratio * a)
+    if opts.objective == Objective.CLIPPED:
+        low = ((ratio < 1.0 - opts.epsilon_low) & (a < 0)).to(zeros.dtype)
+        high = ((ratio > 1.0 + opts.epsilon_high) & (a > 0)).to(zeros.dtype)
+        return low, high
+    if opts.objective == Objective.CISPO:
+        return zeros, ((ratio > opts.epsilon_high) & (a > 0)).to(zeros.dtype)
+    return zeros, zeros
+
+
+# ----------------------------------------------------------------------------- policy weights
+
+
+@torch.no_grad()
+def vespo_phi(logps, old, mask, advantages, ratio, opts: GRPOOptions) -> torch.Tensor:
+    """VESPO's detached gamma weight per sequence [B, 1] (TRL's get_gamma_weights):
+    φ = exp(λ + k·log w − λ·w), log w = Σ_t mask·clamp(log π/π_old, ±20) + Σ_t clamp(log ρ_t)
+    clamped to [ln 1e-8, 20]; (k, λ) = (k₊, λ₊) for a ≥ 0 else (k₋, λ₋), λ ≥ 1e-4; non-finite
+    φ → 0. The vLLM ratio ρ is summed over all its columns, as TRL does."""
+    old = logps if old is None else old
+    lr = torch.where(mask.bool(), (logps - old).clamp(-20.0, 20.0), 0.0)
+    seq = lr.sum(-1, keepdim=True)
+    if ratio is not None:
+        log_rho = torch.log(ratio.to(seq.dtype)).clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+        seq = seq + log_rho.sum(-1, keepdim=True)
+    log_w = seq.clamp(VESPO_LOG_W_MIN, VESPO_LOG_W_MAX)
+    nonneg = advantages.unsqueeze(-1) >= 0
+    k = torch.where(nonneg, seq.new_tensor(opts.vespo_k_pos), seq.new_tensor(opts.vespo_k_neg))
+    lam = torch.where(
+        nonneg, seq.new_tensor(opts.vespo_lambda_pos), seq.new_tensor(opts.vespo_lambda_neg)
+    ).clamp(min=1e-4)
+    log_phi = lam + k * log_w - lam * torch.exp(log_w)
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@torch.no_grad()
+def off_policy_keep(logps, sampling, mask, advantages, threshold: float) -> torch.Tensor:
+    """TRL's off-policy sequence mask [B, 1] (1 keep, 0 drop): a row with a < 0 whose masked
+    mean of (sampling − current) log-probs exceeds `threshold` is dropped (NaN entries of
+    `sampling`, tokens the rollout engine could not score, count as 0)."""
+    m = mask.to(logps.dtype)
+    kl = torch.nan_to_num(torch.where(mask.bool(), sampling.to(logps.dtype) - logps, 0.0))
+    mean_kl = kl.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    keep = (advantages.unsqueeze(-1) >= 0) | (mean_kl <= threshold)
+    return keep.to(logps.dtype)
+
+
+def entropy_threshold(entropy, mask, quantile: float) -> torch.Tensor:
+    """The (1 − q) quantile of the unmasked entropies (fp32, linear interpolation, TRL's
+    torch.quantile); +inf when no token is unmasked (then no token passes)."""
+    values = entropy.detach()[mask.bool()].float()
+    if values.numel() == 0:
+        return torch.full((), float("inf"), device=entropy.device)
+    return torch.quantile(values, 1.0 - quantile)
+
+
+def entropy_mask(entropy, mask, threshold) -> torch.Tensor:
+    """Tokens whose entropy is ≥ the threshold, unmasked ones only (bool [B, T])."""
+    return ((entropy.detach() * mask.to(entropy.dtype)) >= threshold) & mask.bool()
+
+
+@torch.no_grad()
+def row_weight(logps, old, mask, advantages, opts, ratio=None, sampling=None):
+    """The detached per-sequence weight [B, 1] of the policy term, or None when it is 1: the
+    off-policy mask, times VESPO's φ (ρ folded in) or a per-sequence ρ [B, 1]."""
+    ratio = as_2d(ratio)
+    weight = None
+    if opts.off_policy_mask_threshold is not None:
+        sampling = (logps if old is None else old) if sampling is None else sampling
+        threshold = opts.off_policy_mask_threshold
+        weight = off_policy_keep(logps, sampling, mask, advantages, threshold)
+    if opts.objective == Objective.VESPO:
+        phi = vespo_phi(logps, old, mask, advantages, ratio, opts)
+    elif ratio is not None and ratio.shape[-1] == 1:
+        phi = ratio.to(logps.dtype)
+    else:
+        return weight
+    return phi if weight is None else weight * phi
+
+
+@torch.no_grad()
+def token_weight(mask, opts, ratio=None, entropy=None, threshold=None, dtype=torch.float32):
+    """The detached per-token weight [B, T] of the policy term, or None when it is 1: a
+    per-token ρ (not for VESPO, which folds ρ into φ) times the entropy mask."""
+    ratio = as_2d(ratio)
+    weight = None
+    if ratio is not None and ratio.shape[-1] != 1 and opts.objective != Objective.VESPO:
+        weight = ratio.to(dtype)
+    if opts.entropy_mask:
+        keep = entropy_mask(entropy, mask, threshold).to(dtype)
+        weight = keep if weight is None else weight * keep
+    return weight
+
+
+# ----------------------------------------------------------------------------- normalisers
 
 
 def row_scale(
@@ -64,25 +195,88 @@ def row_scale(
     num_items_in_batch=None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """n [B] such that loss = Σ_i n_i Σ_t mask·per_token, for each loss type:
-    grpo 1/(B·max(L_i, 1)); bnpo 1/max(Σ mask, 1); dr_grpo 1/(B·max_completion_length, default
-    T); dapo 1/max(num_items_in_batch or Σ mask, 1)."""
+    """n [B] such that loss = Σ_i n_i Σ_t mask·per_token, by the loss type's normaliser:
+    grpo, sapo 1/(B·max(L_i, 1)); bnpo 1/max(Σ mask, 1); dr_grpo 1/(B·max_completion_length,
+    default T); dapo, cispo, vespo 1/max(num_items_in_batch or Σ mask, 1); luspo 1/B."""
     B, T = mask.shape
     m = mask.to(dtype)
     ones = torch.ones(B, dtype=dtype, device=mask.device)
-    if loss_type == LossType.GRPO:
+    normaliser = LOSS_TYPE_SPECS[loss_type].normaliser
+    if normaliser == Normaliser.ROW_MEAN:
         return 1.0 / (B * m.sum(-1).clamp(min=1.0))
-    if loss_type == LossType.DR_GRPO:
+    if normaliser == Normaliser.CONSTANT:
         length = T if max_completion_length is None else max_completion_length
         return ones / (B * length)
-    if loss_type == LossType.DAPO and num_items_in_batch is not None:
+    if normaliser == Normaliser.ROWS:
+        return ones / B
+    if normaliser == Normaliser.ITEMS and num_items_in_batch is not None:
         total = torch.as_tensor(num_items_in_batch).to(device=mask.device, dtype=dtype)
     else:
         total = m.sum()
     return ones / total.clamp(min=1.0)
 
 
+@dataclass(frozen=True)
+class Normalisers:
+    """The batch-global numbers of one GRPO-family loss, computed once and passed to the
+    epilogue (so that a caller may compute them over more than one micro-batch or rank):
+    the row scales n [B], the entropy-mask threshold (0-d, or None without the mask) and the
+    entropy bonus scale c / max(Σ effective mask, 1) (0-d, or None without a bonus)."""
+
+    row_scale: torch.Tensor
+    entropy_threshold: torch.Tensor | None = None
+    entropy_scale: torch.Tensor | None = None
+
+
+def bonus_mask(mask, opts, entropy=None, threshold=None, dtype=torch.float32) -> torch.Tensor:
+    """The tokens the entropy bonus averages over: the mask, and the entropy mask if any."""
+    m = mask.to(dtype)
+    return m * entropy_mask(entropy, mask, threshold).to(dtype) if opts.entropy_mask else m
+
+
+def normalisers(mask, opts: GRPOOptions, num_items_in_batch=None, entropy=None, threshold=None,
+                dtype=torch.float32) -> Normalisers:  # fmt: skip
+    """`Normalisers` of this batch; `threshold` overrides the entropy quantile (e.g. one taken
+    over every rank)."""
+    scale = row_scale(mask, opts.loss_type, opts.max_completion_length, num_items_in_batch, dtype)
+    if opts.entropy_mask and threshold is None:
+        threshold = entropy_threshold(entropy, mask, opts.top_entropy_quantile)
+    bonus = None
+    if opts.entropy_coef != 0.0:
+        effective = bonus_mask(mask, opts, entropy, threshold, dtype)
+        bonus = opts.entropy_coef / effective.sum().clamp(min=1.0)
+    return Normalisers(scale, threshold if opts.entropy_mask else None, bonus)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def per_token_loss(logps, old, ref, mask, advantages, opts: GRPOOptions, norms: Normalisers,
+                   ratio=None, entropy=None, sampling=None) -> torch.Tensor:  # fmt: skip
+    """pt [B, T] (or [B, 1] at sequence level without per-token terms): the policy term times
+    its detached weights, plus β·k3 (times the unclipped ratio with bias correction)."""
+    lr = log_ratio(logps, old, mask, opts.level)
+    pt = policy_term(logps, lr, advantages, opts)
+    rows = row_weight(logps, old, mask, advantages, opts, ratio, sampling)
+    tokens = token_weight(mask, opts, ratio, entropy, norms.entropy_threshold, logps.dtype)
+    for weight in (rows, tokens):
+        if weight is not None:
+            pt = pt * weight
+    if opts.beta != 0.0 and ref is not None:
+        kl = k3(ref, logps, mask)
+        if opts.use_bias_correction_kl:
+            kl = kl * sat_exp(lr)
+        pt = pt + opts.beta * kl
+    return pt
+
+
 def reduce(per_token, mask, scale) -> torch.Tensor:
     """Σ_i scale_i Σ_t mask·per_token (per_token [B, T] or [B, 1])."""
     m = mask.to(per_token.dtype)
     return ((per_token * m).sum(-1) * scale.to(per_token.dtype)).sum()
+
+
+def entropy_bonus(entropy, weights, scale) -> torch.Tensor:
+    """scale·Σ weights·entropy: c times the mean entropy over `weights` (0/1 [B, T]) when
+    scale = c / max(Σ weights, 1); the loss subtracts it."""
+    return scale.to(entropy.dtype) * (entropy * weights.to(entropy.dtype)).sum()

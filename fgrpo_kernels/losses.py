@@ -12,11 +12,21 @@ from __future__ import annotations
 
 import torch
 
-from . import epilogue, metrics, single_pass
+from . import epilogue, grpo_math, metrics, single_pass
 from . import validation as check
 from .autograd import EpilogueFunction
 from .logprobs import fused_linear_logprobs
-from .options import FGRPOOptions, GIFTOptions, GRPOOptions, LogProbOptions
+from .options import FGRPOOptions, GIFTOptions, GRPOOptions, Level, LogProbOptions
+
+# Why a module takes the two-pass path (docs/math.md §5, "Single pass").
+RETURNED_ENTROPY = (
+    "return_entropy=True: the entropy is returned with its gradient, whose upstream is not known "
+    "in the forward"
+)
+ENTROPY_MASK = (
+    "top_entropy_quantile < 1: the entropy mask's threshold is a quantile of the whole batch's "
+    "entropies"
+)
 
 
 class _FusedLinearLoss(torch.nn.Module):
@@ -43,7 +53,8 @@ class _FusedLinearLoss(torch.nn.Module):
         return LogProbOptions(self.temperature, -100, self.fast_fp32)
 
     def _logps(self, hidden, weight, ids, mask, bias, entropy=False):
-        """Per-token log-probs [B, T] (0 where masked); only unmasked rows reach the kernel."""
+        """Per-token log-probs [B, T] and, with `entropy`, entropies [B, T] (both 0 where masked,
+        both differentiable); only unmasked rows reach the kernel."""
         B, T, H = hidden.shape
         positions, rows, targets = self._tokens(hidden, ids, mask)
         out = fused_linear_logprobs(
@@ -60,7 +71,7 @@ class _FusedLinearLoss(torch.nn.Module):
         def scatter(x):
             return x.new_zeros(B * T).index_copy(0, positions, x).reshape(B, T)
 
-        return scatter(logp), None if ent is None else scatter(ent.detach())
+        return scatter(logp), None if ent is None else scatter(ent)
 
     def _single_pass(self, hidden, weight, ids, mask, bias, chunked, entropy=False):
         """(loss, logps [B, T], entropy [B, T] | None) by the single pass (`chunked()` builds
@@ -110,7 +121,9 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
     `unbiased`). Reference log-probs come as `ref_per_token_logps` [B, T] or are computed in the
     call from `ref_hidden` (and `ref_weight`, `ref_bias`; default: the policy's lm_head).
     `group_is_weights=True` applies the f-GRPO paper's group importance weights (needs rewards;
-    old log-probs default to the current ones, detached).
+    old log-probs default to the current ones, detached). `vllm_is_ratio` (forward) ρ weights
+    each unit's cost; `entropy_coef` c subtracts c·(masked mean entropy), with its gradient.
+    `return_entropy=True` (forward) also returns the per-token entropy [B, T], differentiable.
     """
 
     def __init__(
@@ -128,12 +141,13 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
         compute_entropy=False,
         fast_fp32=False,
         *,
+        entropy_coef=0.0,
         max_chunk_bytes=None,
     ):
         super().__init__(temperature, compute_entropy, fast_fp32, max_chunk_bytes)
         self.opts = FGRPOOptions.parse(
             divergence, beta, level, reduction, num_generations, scale_rewards, eps, unbiased,
-            group_is_weights, scale_arg="scale_rewards",
+            group_is_weights, entropy_coef=entropy_coef, scale_arg="scale_rewards",
         )  # fmt: skip
 
     def forward(
@@ -151,9 +165,12 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
         ref_hidden=None,
         ref_weight=None,
         ref_bias=None,
+        vllm_is_ratio=None,
+        return_entropy=False,
     ):
         opts = self.opts
         B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
+        check.is_ratio("vllm_is_ratio", vllm_is_ratio, B, T, per_token=opts.level == Level.TOKEN)
         if advantages is not None and rewards is not None and not opts.group_is_weights:
             raise ValueError("advantages: expected exactly one of advantages or rewards; got both")
         check.advantages_or_rewards(
@@ -178,32 +195,46 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
         adv = None if advantages is None else advantages.detach().float()
         rw = None if rewards is None else rewards.detach().float()
         given_old = None if old_per_token_logps is None else old_per_token_logps.detach()
+        ratio = None if vllm_is_ratio is None else vllm_is_ratio.detach()
+        need_entropy = self.compute_entropy or return_entropy or opts.entropy_coef != 0.0
         args = (hidden, weight, completion_ids, completion_mask, bias)
-        out = self._single_pass(
-            *args, lambda: single_pass.fgrpo(ref, completion_mask, adv, rw, given_old, opts),
-            self.compute_entropy,
-        )  # fmt: skip
+
+        def chunked():
+            if return_entropy:
+                return RETURNED_ENTROPY
+            return single_pass.fgrpo(ref, completion_mask, adv, rw, given_old, ratio, opts)
+
+        out = self._single_pass(*args, chunked, need_entropy)
         if out is None:
-            logps, ent = self._logps(*args, self.compute_entropy)
+            logps, ent = self._logps(*args, need_entropy)
             old = None
             if opts.group_is_weights:
                 old = logps.detach() if given_old is None else given_old
             loss = EpilogueFunction.apply(
-                logps, epilogue.fgrpo, ref, completion_mask, adv, rw, old, opts
+                logps, epilogue.fgrpo, ent, ref, completion_mask, adv, rw, old, ratio, opts
             )
         else:
             loss, logps, ent = out
-        return loss, metrics.fgrpo(loss, logps, ref, completion_mask, adv, rw, ent, opts)
+        m = metrics.fgrpo(loss, logps, ref, completion_mask, adv, rw, ent, ratio, opts)
+        return (loss, m, ent) if return_entropy else (loss, m)
 
 
 class FusedLinearGRPOLoss(_FusedLinearLoss):
     """TRL's GRPOTrainer loss / Liger's LigerFusedLinearGRPOLoss on hidden states (drop-in).
 
-    loss_type "grpo" | "bnpo" | "dr_grpo" | "dapo"; importance_sampling_level "token" |
-    "sequence" (GSPO). old log-probs default to the current ones, detached. With beta != 0 the
-    reference log-probs are required (`ref_per_token_logps`, or `ref_input`/`ref_hidden`) unless
-    `use_ref_model=False`. `compiled` and `chunk_size` are accepted for Liger compatibility and
-    have no effect here.
+    loss_type "grpo" | "bnpo" | "dr_grpo" | "dapo" | "luspo" | "cispo" | "sapo" | "vespo";
+    importance_sampling_level "token" | "sequence" (GSPO; not for cispo, sapo, vespo). old
+    log-probs default to the current ones, detached. With beta != 0 the reference log-probs are
+    required (`ref_per_token_logps`, or `ref_input`/`ref_hidden`) unless `use_ref_model=False`.
+    Keyword `options` (TRL's names, docs/math.md "The GRPO family"): `delta` (two-sided clip),
+    `clip_ratio_c` (dual clip), `use_bias_correction_kl`, `entropy_coef` (entropy bonus, with
+    its gradient), `top_entropy_quantile` (policy term on high-entropy tokens only),
+    `off_policy_mask_threshold` (with `sampling_per_token_logps`, default the old log-probs),
+    and `sapo_temperature_pos/neg`, `vespo_k_pos/neg`, `vespo_lambda_pos/neg` (None: TRL's
+    defaults); unknown names are a TypeError. Forward takes the rollout engine's IS ratio
+    `vllm_is_ratio` [B, T], [B, 1] or [B]; `return_entropy=True` returns (loss, metrics,
+    entropy [B, T]) with the entropy differentiable. `compiled` and `chunk_size` are accepted
+    for Liger compatibility and have no effect here.
     """
 
     def __init__(
@@ -222,13 +253,19 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         chunk_size=1,
         *,
         max_chunk_bytes=None,
+        **options,
     ):
         super().__init__(temperature, compute_entropy, fast_fp32, max_chunk_bytes)
         self.use_ref_model = bool(use_ref_model)
         self.opts = GRPOOptions.parse(
             loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
-            max_completion_length,
+            max_completion_length, **options,
         )  # fmt: skip
+
+    def entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The entropy mask's threshold: the (1 − top_entropy_quantile) quantile of this batch's
+        unmasked entropies. Override to take it over more than this batch (e.g. every rank)."""
+        return grpo_math.entropy_threshold(entropy, mask, self.opts.top_entropy_quantile)
 
     def forward(
         self,
@@ -245,12 +282,17 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         ref_hidden=None,
         ref_weight=None,
         ref_bias=None,
+        vllm_is_ratio=None,
         num_items_in_batch=None,
+        sampling_per_token_logps=None,
+        return_entropy=False,
     ):
         opts = self.opts
         B, T, _, _ = check.linear_batch(hidden, weight, completion_ids, completion_mask, bias)
         check.tensor("advantages", advantages, shape=(B,), floating=True)
         check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
+        check.optional_per_token("sampling_per_token_logps", sampling_per_token_logps, B, T)
+        check.is_ratio("vllm_is_ratio", vllm_is_ratio, B, T)
         check.num_items_in_batch(num_items_in_batch)
         ref = None
         if opts.beta != 0.0 and self.use_ref_model:
@@ -271,21 +313,38 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
                     "ref_input) when beta != 0; got None"
                 )
         old = None if old_per_token_logps is None else old_per_token_logps.detach()
+        sampling = None if sampling_per_token_logps is None else sampling_per_token_logps.detach()
+        ratio = None if vllm_is_ratio is None else vllm_is_ratio.detach()
         adv = advantages.detach().float()
+        need_entropy = self.compute_entropy or return_entropy or opts.needs_entropy
+        norms = None if opts.entropy_mask else grpo_math.normalisers(
+            completion_mask, opts, num_items_in_batch
+        )  # fmt: skip
         args = (hidden, weight, completion_ids, completion_mask, bias)
-        out = self._single_pass(
-            *args,
-            lambda: single_pass.grpo(old, ref, completion_mask, adv, num_items_in_batch, opts),
-            self.compute_entropy,
-        )
+
+        def chunked():
+            if return_entropy:
+                return RETURNED_ENTROPY
+            if opts.entropy_mask:
+                return ENTROPY_MASK
+            return single_pass.grpo(old, ref, completion_mask, adv, ratio, sampling, norms, opts)
+
+        out = self._single_pass(*args, chunked, need_entropy)
         if out is None:
-            logps, ent = self._logps(*args, self.compute_entropy)
+            logps, ent = self._logps(*args, need_entropy)
+            threshold = self.entropy_threshold(ent, completion_mask) if opts.entropy_mask else None
+            norms = grpo_math.normalisers(
+                completion_mask, opts, num_items_in_batch, ent.detach() if need_entropy else None,
+                threshold,
+            )  # fmt: skip
             loss = EpilogueFunction.apply(
-                logps, epilogue.grpo, old, ref, completion_mask, adv, num_items_in_batch, opts
-            )
+                logps, epilogue.grpo, ent, old, ref, completion_mask, adv, ratio, sampling, norms,
+                opts,
+            )  # fmt: skip
         else:
             loss, logps, ent = out
-        return loss, metrics.grpo(loss, logps, old, ref, completion_mask, adv, ent, opts)
+        m = metrics.grpo(loss, logps, ent, old, ref, completion_mask, adv, ratio, norms, opts)
+        return (loss, m, ent) if return_entropy else (loss, m)
 
 
 class FusedLinearGIFTLoss(_FusedLinearLoss):

@@ -39,12 +39,85 @@ class Scale(enum.IntEnum):
 
 
 class LossType(enum.IntEnum):
-    """The normaliser of the GRPO family (TRL's `loss_type`)."""
+    """TRL's / Liger's `loss_type`: a policy term (`Objective`) and a normaliser."""
 
     GRPO = 0
     BNPO = 1
     DR_GRPO = 2
     DAPO = 3
+    LUSPO = 4
+    CISPO = 5
+    SAPO = 6
+    VESPO = 7
+
+
+class Objective(enum.IntEnum):
+    """The per-token policy term of a loss type (docs/math.md, "The GRPO family"); the integer
+    is the constexpr the Triton epilogue sees."""
+
+    CLIPPED = 0  # PPO's clipped surrogate −min(w·a, clip(w)·a); delta and clip_ratio_c apply
+    CISPO = 1  # −sg(min(w, ε_high))·a·logp
+    SAPO = 2  # −a·(4/τ)·σ(τ(w − 1)), τ by the sign of a
+    VESPO = 3  # −sg(φ(w_seq))·a·logp, φ the gamma weight of the sequence ratio
+
+
+class Normaliser(enum.IntEnum):
+    """n_i such that loss = Σ_i n_i Σ_t mask·pt (`grpo_math.row_scale`)."""
+
+    ROW_MEAN = 0  # 1/(B·max(L_i, 1))
+    TOKENS = 1  # 1/max(Σ mask, 1)
+    CONSTANT = 2  # 1/(B·max_completion_length), default T
+    ITEMS = 3  # 1/max(num_items_in_batch or Σ mask, 1)
+    ROWS = 4  # 1/B
+
+
+@dataclass(frozen=True)
+class LossTypeSpec:
+    """What a loss type is made of. `params` are its own options with TRL's defaults; they
+    may only be set for this loss type. `token_level_only`: no sequence-level ratio."""
+
+    objective: Objective
+    normaliser: Normaliser
+    token_level_only: bool = False
+    params: tuple[tuple[str, float], ...] = ()
+
+
+LOSS_TYPE_SPECS: dict[LossType, LossTypeSpec] = {
+    LossType.GRPO: LossTypeSpec(Objective.CLIPPED, Normaliser.ROW_MEAN),
+    LossType.BNPO: LossTypeSpec(Objective.CLIPPED, Normaliser.TOKENS),
+    LossType.DR_GRPO: LossTypeSpec(Objective.CLIPPED, Normaliser.CONSTANT),
+    LossType.DAPO: LossTypeSpec(Objective.CLIPPED, Normaliser.ITEMS),
+    LossType.LUSPO: LossTypeSpec(Objective.CLIPPED, Normaliser.ROWS),
+    LossType.CISPO: LossTypeSpec(Objective.CISPO, Normaliser.ITEMS, token_level_only=True),
+    LossType.SAPO: LossTypeSpec(
+        Objective.SAPO,
+        Normaliser.ROW_MEAN,
+        token_level_only=True,
+        params=(("sapo_temperature_pos", 1.0), ("sapo_temperature_neg", 1.05)),
+    ),
+    LossType.VESPO: LossTypeSpec(
+        Objective.VESPO,
+        Normaliser.ITEMS,
+        token_level_only=True,
+        params=(
+            ("vespo_k_pos", 2.0),
+            ("vespo_lambda_pos", 3.0),
+            ("vespo_k_neg", 3.0),
+            ("vespo_lambda_neg", 2.0),
+        ),
+    ),
+}
+# The names of the loss types' own parameters.
+LOSS_TYPE_PARAMS = {name for spec in LOSS_TYPE_SPECS.values() for name, _ in spec.params}
+# The GRPO family's options beyond TRL's core five, each with its "off" value.
+GRPO_OPTIONS = {
+    "delta": None,
+    "clip_ratio_c": None,
+    "use_bias_correction_kl": False,
+    "entropy_coef": 0.0,
+    "top_entropy_quantile": 1.0,
+    "off_policy_mask_threshold": None,
+}
 
 
 def names(kind: type[enum.Enum]) -> tuple[str, ...]:
@@ -111,6 +184,7 @@ class FGRPOOptions:
     eps: float = 1e-4
     unbiased: bool = True
     group_is_weights: bool = False
+    entropy_coef: float = 0.0
 
     @classmethod
     def parse(
@@ -125,6 +199,7 @@ class FGRPOOptions:
         unbiased,
         group_is_weights,
         *,
+        entropy_coef=0.0,
         scale_arg: str = "scale",
     ) -> FGRPOOptions:
         level, reduction = parse_level_reduction(level, reduction)
@@ -140,25 +215,92 @@ class FGRPOOptions:
             eps=check.positive("eps", eps, allow_zero=True),
             unbiased=bool(unbiased),
             group_is_weights=bool(group_is_weights),
+            entropy_coef=check.real("entropy_coef", entropy_coef),
         )
 
 
 @dataclass(frozen=True)
 class GRPOOptions:
+    """The GRPO family's options (TRL's GRPOConfig / Liger's LigerFusedLinearGRPOLoss names).
+
+    delta: cap of the unclipped ratio (INTELLECT-2); clip_ratio_c: verl's dual clip, the cost
+    of a token with a < 0 at most −a·c; use_bias_correction_kl: the k3 term times the
+    unclipped ratio; entropy_coef: c of the bonus −c·(masked mean entropy);
+    top_entropy_quantile: the policy term only on the top-q entropy tokens;
+    off_policy_mask_threshold: drop sequences with a < 0 whose mean (sampling − current)
+    log-prob exceeds it. The sapo_* / vespo_* fields are those loss types' own parameters.
+    """
+
     loss_type: LossType
     beta: float
     epsilon_low: float
     epsilon_high: float
     level: Level
     max_completion_length: int | None = None
+    delta: float | None = None
+    clip_ratio_c: float | None = None
+    use_bias_correction_kl: bool = False
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    @property
+    def spec(self) -> LossTypeSpec:
+        return LOSS_TYPE_SPECS[self.loss_type]
+
+    @property
+    def objective(self) -> Objective:
+        return self.spec.objective
+
+    @property
+    def entropy_mask(self) -> bool:
+        """Whether the policy term is restricted to high-entropy tokens."""
+        return self.top_entropy_quantile < 1.0
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_mask or self.entropy_coef != 0.0
 
     @classmethod
     def parse(
-        cls, loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
+        cls,
+        loss_type,
+        beta,
+        epsilon_low,
+        epsilon_high,
+        importance_sampling_level,
         max_completion_length,
-    ) -> GRPOOptions:  # fmt: skip
+        **options,
+    ) -> GRPOOptions:
+        """Validate every option once. `options` are GRPO_OPTIONS (absent: off) and the loss
+        types' own parameters (sapo_temperature_pos, ..., vespo_lambda_neg; None or absent: the
+        loss type's default; set for another loss type: a ValueError naming it)."""
+        for arg in options:
+            if arg not in GRPO_OPTIONS and arg not in LOSS_TYPE_PARAMS:
+                raise TypeError(f"{arg}: not an option of the GRPO family")
+        params = {k: v for k, v in options.items() if k in LOSS_TYPE_PARAMS}
+        (
+            delta,
+            clip_ratio_c,
+            use_bias_correction_kl,
+            entropy_coef,
+            top_entropy_quantile,
+            off_policy_mask_threshold,
+        ) = (options.get(k, off) for k, off in GRPO_OPTIONS.items())
         loss_type = parse(LossType, "loss_type", loss_type)
+        spec = LOSS_TYPE_SPECS[loss_type]
         level = parse(Level, "importance_sampling_level", importance_sampling_level)
+        if level == Level.SEQUENCE and spec.token_level_only:
+            raise ValueError(
+                "importance_sampling_level: Sequence-level importance sampling is not supported "
+                f"for loss_type={name_of(loss_type)!r}; expected 'token'"
+            )
         beta = check.positive("beta", beta, allow_zero=True)
         low = check.unit_fraction(
             "epsilon_low", epsilon_low, "the lower clip bound 1 − epsilon_low must stay > 0"
@@ -166,7 +308,44 @@ class GRPOOptions:
         high = check.positive("epsilon_high", epsilon_high, allow_zero=True)
         if max_completion_length is not None:
             check.positive_int("max_completion_length", max_completion_length)
-        return cls(loss_type, beta, low, high, level, max_completion_length)
+        clipped_only = {"delta": delta, "clip_ratio_c": clip_ratio_c}
+        for arg, value in clipped_only.items():
+            if value is not None and spec.objective != Objective.CLIPPED:
+                raise ValueError(
+                    f"{arg}: applies to the clipped loss types (grpo, bnpo, dr_grpo, dapo, "
+                    f"luspo) only; got {value!r} with loss_type={name_of(loss_type)!r}"
+                )
+        if delta is not None:
+            delta = check.positive("delta", delta)
+        if clip_ratio_c is not None:
+            clip_ratio_c = check.real("clip_ratio_c", clip_ratio_c)
+            if clip_ratio_c <= 1.0:
+                raise ValueError(f"clip_ratio_c: expected a number > 1; got {clip_ratio_c!r}")
+        quantile = check.real("top_entropy_quantile", top_entropy_quantile)
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile: expected a number in [0, 1]; got {quantile!r}")
+        if off_policy_mask_threshold is not None:
+            off_policy_mask_threshold = check.real(
+                "off_policy_mask_threshold", off_policy_mask_threshold
+            )
+        values = {}
+        for arg, value in params.items():
+            if value is None:
+                continue
+            if arg not in dict(spec.params):
+                raise ValueError(
+                    f"{arg}: applies to loss_type={arg.split('_')[0]!r} only; got {value!r} "
+                    f"with loss_type={name_of(loss_type)!r}"
+                )
+            if arg.startswith("sapo") or "lambda" in arg:
+                values[arg] = check.positive(arg, value)
+            else:
+                values[arg] = check.real(arg, value)
+        return cls(
+            loss_type, beta, low, high, level, max_completion_length, delta, clip_ratio_c,
+            bool(use_bias_correction_kl), check.real("entropy_coef", entropy_coef), quantile,
+            off_policy_mask_threshold, **values,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

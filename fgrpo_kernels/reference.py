@@ -168,6 +168,9 @@ def fgrpo_loss(
     old_logps=None,
     rewards=None,
     num_generations=None,
+    vllm_is_ratio=None,
+    entropy=None,
+    entropy_coef=0.0,
 ):
     """f-GRPO: Σ over units of |a_i|·φ_{sign a_i}(r), r = β·log(π/π_ref) per token or sequence.
 
@@ -175,12 +178,19 @@ def fgrpo_loss(
     level "sequence": r_i = β Σ_t mask·(logps − ref); reductions "seq_mean" (default), "sum".
     `advantages` may be None when `rewards` and `num_generations` are given (group z-score).
     `group_is_weights=True` multiplies unit i by `importance_weights` (needs old_logps, rewards,
-    num_generations).
+    num_generations). `vllm_is_ratio` ρ multiplies each unit's cost ([B, T], [B, 1] or [B] at
+    token level, [B, 1] or [B] at sequence level); `entropy_coef` c subtracts c·(masked mean
+    of `entropy` [B, T]).
     """
     B, T = check.loss_batch(logps, ref_logps, mask)
     opts = FGRPOOptions.parse(
-        divergence, beta, level, reduction, None, Scale.GROUP, 1e-4, True, group_is_weights
-    )
+        divergence, beta, level, reduction, None, Scale.GROUP, 1e-4, True, group_is_weights,
+        entropy_coef=entropy_coef,
+    )  # fmt: skip
+    check.is_ratio("vllm_is_ratio", vllm_is_ratio, B, T, per_token=opts.level == Level.TOKEN)
+    check.optional_per_token("entropy", entropy, B, T)
+    if opts.entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy: expected the per-token entropy [B, T] with entropy_coef != 0")
     check.advantages_or_rewards(
         advantages, rewards, num_generations, B, need_rewards=group_is_weights
     )
@@ -188,12 +198,28 @@ def fgrpo_loss(
         check.tensor("old_logps", old_logps, shape=(B, T), floating=True)
     if num_generations is not None:
         opts = dataclasses.replace(opts, num_generations=num_generations)
-    return fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts)
+    return fgrpo(
+        logps, ref_logps, mask, advantages, rewards, old_logps, opts,
+        vllm_is_ratio=vllm_is_ratio, entropy=entropy,
+    )  # fmt: skip
 
 
-def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOptions):
+def fgrpo(
+    logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOptions, *,
+    vllm_is_ratio=None, entropy=None,
+):  # fmt: skip
     """`fgrpo_loss` on parsed options: `advantages` [B], or None with `rewards` [B] (normalised
     per group as `opts.scale` says); `old_logps` and `rewards` for `opts.group_is_weights`."""
+    loss = _fgrpo_units(logps, ref_logps, mask, advantages, rewards, old_logps, opts, vllm_is_ratio)
+    if opts.entropy_coef != 0.0:
+        m = mask.to(loss.dtype)
+        scale = opts.entropy_coef / m.sum().clamp(min=1.0)
+        loss = loss - grpo_math.entropy_bonus(entropy.to(loss.dtype), m, scale)
+    return loss
+
+
+def _fgrpo_units(logps, ref_logps, mask, advantages, rewards, old_logps, opts, ratio):
+    """f-GRPO's loss before the entropy bonus; ρ (`ratio`) weights each unit."""
     G = opts.num_generations
     dtype = compute_dtype(logps, ref_logps, advantages)
     if advantages is None:
@@ -203,6 +229,9 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
     weight = a.abs()
     if opts.group_is_weights:
         weight = weight * importance_weights(rewards, a, old_logps, mask, G)
+    ratio = grpo_math.as_2d(ratio)
+    if ratio is not None and opts.level == Level.SEQUENCE:
+        weight = weight * ratio[:, 0].to(dtype)
     positive = a > 0
     m = mask.to(dtype)
     beta = opts.beta
@@ -212,6 +241,8 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
     else:
         diff = torch.where(mask.bool(), logps.to(dtype) - ref_logps.to(dtype), 0.0)
         u = m * weight[:, None] * phi(beta * diff, positive[:, None], opts.divergence)
+        if ratio is not None:
+            u = u * ratio.to(dtype)
     if opts.reduction == Reduction.TOKEN_MEAN:
         loss = u.sum() / m.sum().clamp(min=1.0)
     elif opts.reduction == Reduction.SEQ_MEAN and opts.level == Level.TOKEN:
@@ -237,40 +268,83 @@ def grpo_loss(
     importance_sampling_level="token",
     max_completion_length=None,
     num_items_in_batch=None,
+    *,
+    vllm_is_ratio=None,
+    entropy=None,
+    sampling_logps=None,
+    **options,
 ):
-    """TRL/Liger GRPO: −min(w·a, clip(w)·a) + β·k3(ref, logps), reduced per `loss_type`.
+    """TRL/Liger GRPO family: Σ_i n_i Σ_t mask·pt − entropy_coef·(mean entropy), per `loss_type`.
 
-    w = exp(log_ratio), log_ratio = logps − old_logps per token, or its masked sequence mean
-    (GSPO) at importance_sampling_level "sequence". old_logps None → logps.detach(); ref_logps
-    None → no KL term (as in Liger).
+    pt = policy term of the loss type (clipped surrogate −min(w·a, clip(w)·a) for grpo, bnpo,
+    dr_grpo, dapo, luspo; cispo, sapo, vespo as in docs/math.md) × the detached weights
+    (`vllm_is_ratio` ρ [B, T], [B, 1] or [B]; the off-policy mask from `sampling_logps`, default
+    old; the top-entropy mask) + β·k3(ref, logps) (× w with bias correction). w =
+    exp(log_ratio), log_ratio = logps − old_logps per token, or its masked sequence mean at
+    importance_sampling_level "sequence" (GSPO). old_logps None → logps.detach(); ref_logps None
+    → no KL term (as in Liger). `entropy` [B, T] (needed by entropy_coef and
+    top_entropy_quantile) may carry a gradient.
+
+    `options` (keywords, TRL's names): delta, clip_ratio_c, use_bias_correction_kl,
+    entropy_coef, top_entropy_quantile, off_policy_mask_threshold, and the loss types' own
+    sapo_temperature_pos/neg, vespo_k_pos/neg, vespo_lambda_pos/neg (None: TRL's defaults).
     """
     B, T = check.loss_batch(logps, None, mask)
     check.optional_per_token("old_logps", old_logps, B, T)
     check.optional_per_token("ref_logps", ref_logps, B, T)
+    check.optional_per_token("sampling_logps", sampling_logps, B, T)
+    check.optional_per_token("entropy", entropy, B, T)
     check.tensor("advantages", advantages, shape=(B,), floating=True)
+    check.is_ratio("vllm_is_ratio", vllm_is_ratio, B, T)
     check.num_items_in_batch(num_items_in_batch)
     opts = GRPOOptions.parse(
         loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
-        max_completion_length,
+        max_completion_length, **options,
     )  # fmt: skip
-    return grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts)
+    if opts.needs_entropy and entropy is None:
+        raise ValueError(
+            "entropy: expected the per-token entropy [B, T] with entropy_coef != 0 or "
+            "top_entropy_quantile < 1; got None"
+        )
+    return grpo(
+        logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts,
+        vllm_is_ratio=vllm_is_ratio, entropy=entropy, sampling_logps=sampling_logps,
+    )  # fmt: skip
 
 
-def grpo(logps, old_logps, ref_logps, mask, advantages, num_items_in_batch, opts: GRPOOptions):
-    """`grpo_loss` on parsed options."""
+def grpo(
+    logps,
+    old_logps,
+    ref_logps,
+    mask,
+    advantages,
+    num_items_in_batch,
+    opts: GRPOOptions,
+    *,
+    vllm_is_ratio=None,
+    entropy=None,
+    sampling_logps=None,
+    norms: grpo_math.Normalisers | None = None,
+):
+    """`grpo_loss` on parsed options; `norms` (row scales, entropy threshold and bonus scale)
+    default to this batch's own (`grpo_math.normalisers`)."""
     dtype = compute_dtype(logps, old_logps, ref_logps, advantages)
-    lp = logps.to(dtype)
-    old = None if old_logps is None else old_logps.to(dtype)
-    ratio = grpo_math.importance_ratio(lp, old, mask, opts.level)
-    per_token = grpo_math.clipped_surrogate(
-        ratio, advantages.to(dtype), opts.epsilon_low, opts.epsilon_high
-    )
-    if opts.beta != 0.0 and ref_logps is not None:
-        per_token = per_token + opts.beta * grpo_math.k3(ref_logps.to(dtype), lp, mask)
-    scale = grpo_math.row_scale(
-        mask, opts.loss_type, opts.max_completion_length, num_items_in_batch, dtype
-    )
-    return grpo_math.reduce(per_token, mask, scale)
+
+    def cast(t):
+        return None if t is None else t.to(dtype)
+
+    lp, ent = logps.to(dtype), cast(entropy)
+    if norms is None:
+        norms = grpo_math.normalisers(mask, opts, num_items_in_batch, ent, dtype=dtype)
+    per_token = grpo_math.per_token_loss(
+        lp, cast(old_logps), cast(ref_logps), mask, advantages.to(dtype), opts, norms,
+        vllm_is_ratio, ent, cast(sampling_logps),
+    )  # fmt: skip
+    loss = grpo_math.reduce(per_token, mask, norms.row_scale)
+    if norms.entropy_scale is not None:
+        weights = grpo_math.bonus_mask(mask, opts, ent, norms.entropy_threshold, dtype)
+        loss = loss - grpo_math.entropy_bonus(ent, weights, norms.entropy_scale)
+    return loss
 
 
 # ----------------------------------------------------------------------------- GIFT

@@ -39,7 +39,7 @@ from .options import (
     GRPOOptions,
     Level,
     LogProbOptions,
-    LossType,
+    Objective,
     Reduction,
 )
 
@@ -205,30 +205,33 @@ def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if t is None else t[rows]
 
 
-def grpo(old, ref, mask, advantages, num_items_in_batch, opts: GRPOOptions) -> ChunkedLoss:
-    """The GRPO family: per-token terms with the loss type's row scale n_i computed up front;
-    a GSPO (sequence-level) ratio needs whole sequences."""
-    scale = grpo_math.row_scale(mask, opts.loss_type, opts.max_completion_length,
-                                num_items_in_batch)  # fmt: skip
-    # NB: dapo with num_items_in_batch = 1 has row scale 1: the chunk's Σ_t m·pt, scaled here.
-    unit = dataclasses.replace(opts, loss_type=LossType.DAPO)
+def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) -> ChunkedLoss:
+    """The GRPO family on the batch's `grpo_math.Normalisers` (row scales and the entropy
+    bonus's scale, computed up front; no entropy mask): per-token terms, except a GSPO ratio,
+    VESPO's weight and the off-policy mask, which are statistics of whole sequences."""
+    per_row = (opts.level == Level.SEQUENCE or opts.objective == Objective.VESPO
+               or opts.off_policy_mask_threshold is not None)  # fmt: skip
 
     def grad(rows, m, lp, ent):
-        _, d = epilogue.grpo(lp, _rows(old, rows), _rows(ref, rows), m, advantages[rows], 1, unit)
-        return d * scale[rows, None].to(d.dtype), None
+        sub = grpo_math.Normalisers(norms.row_scale[rows], None, norms.entropy_scale)
+        _, d, d_ent = epilogue.grpo(lp, ent, _rows(old, rows), _rows(ref, rows), m,
+                                    advantages[rows], _rows(ratio, rows), _rows(sampling, rows),
+                                    sub, opts)  # fmt: skip
+        return d, d_ent
 
     def loss(lp, ent):
-        return epilogue.grpo(lp, old, ref, mask, advantages, num_items_in_batch, opts)[0]
+        out = epilogue.grpo(lp, ent, old, ref, mask, advantages, ratio, sampling, norms, opts)
+        return out[0]
 
-    locality = Locality.TOKEN if opts.level == Level.TOKEN else Locality.ROW
-    return ChunkedLoss(locality, grad, loss)
+    return ChunkedLoss(Locality.ROW if per_row else Locality.TOKEN, grad, loss)
 
 
-def fgrpo(ref, mask, advantages, rewards, old, opts: FGRPOOptions) -> ChunkedLoss:
+def fgrpo(ref, mask, advantages, rewards, old, ratio, opts: FGRPOOptions) -> ChunkedLoss:
     """f-GRPO: the units' costs summed on the chunk, times the reduction's weight of each row
     (1/max(Σ mask, 1), 1/(B·max(L_i, 1)), 1/B or 1); advantages from rewards up front (float64
-    group statistics, as the kernels compute them). Sequence level needs whole sequences, the
-    group importance weights whole groups."""
+    group statistics, as the kernels compute them); the entropy bonus's gradient
+    −c·mask/max(Σ mask, 1) (`grpo_math.entropy_bonus`). Sequence level needs whole sequences,
+    the group importance weights whole groups."""
     B = mask.shape[0]
     m = mask.to(torch.float32)
     a = advantages
@@ -238,28 +241,29 @@ def fgrpo(ref, mask, advantages, rewards, old, opts: FGRPOOptions) -> ChunkedLos
     if opts.reduction == Reduction.TOKEN_MEAN:
         weight = (1.0 / m.sum().clamp(min=1.0)).expand(B)
     elif opts.reduction == Reduction.SEQ_MEAN:
-        per_row = (
-            m.sum(-1).clamp(min=1.0) if opts.level == Level.TOKEN else torch.ones_like(m[:, 0])
-        )
-        weight = 1.0 / (B * per_row)
+        length = m.sum(-1).clamp(min=1.0)
+        weight = 1.0 / (B * (length if opts.level == Level.TOKEN else torch.ones_like(length)))
     else:
         weight = torch.ones_like(m[:, 0])
-    unit = dataclasses.replace(opts, reduction=Reduction.SUM)
-    G = opts.num_generations
+    bonus = opts.entropy_coef / m.sum().clamp(min=1.0)
+    unit = dataclasses.replace(opts, reduction=Reduction.SUM, entropy_coef=0.0)
 
     def grad(rows, m, lp, ent):
         rw = old_rows = None
         if opts.group_is_weights:
             rw, old_rows = rewards[rows], lp.detach() if old is None else old[rows]
-        _, d = epilogue.fgrpo(lp, ref[rows], m, a[rows], rw, old_rows, unit)
-        return d * weight[rows, None].to(d.dtype), None
+        _, d, _ = epilogue.fgrpo(lp, None, ref[rows], m, a[rows], rw, old_rows,
+                                 _rows(ratio, rows), unit)  # fmt: skip
+        d_ent = None if opts.entropy_coef == 0.0 else -bonus * m.to(d.dtype)
+        return d * weight[rows, None].to(d.dtype), d_ent
 
     def loss(lp, ent):
         full_old = (lp.detach() if old is None else old) if opts.group_is_weights else None
-        return epilogue.fgrpo(lp, ref, mask, advantages, rewards, full_old, opts)[0]
+        out = epilogue.fgrpo(lp, ent, ref, mask, advantages, rewards, full_old, ratio, opts)
+        return out[0]
 
     if opts.group_is_weights:
-        return ChunkedLoss(Locality.GROUP, grad, loss, G)
+        return ChunkedLoss(Locality.GROUP, grad, loss, opts.num_generations)
     return ChunkedLoss(Locality.TOKEN if opts.level == Level.TOKEN else Locality.ROW, grad, loss)
 
 
@@ -269,7 +273,7 @@ def gift(ref, mask, rewards, opts: GIFTOptions) -> ChunkedLoss:
     B = mask.shape[0]
 
     def grad(rows, m, lp, ent):
-        _, d = epilogue.gift(lp, ref[rows], m, rewards[rows], opts)
+        _, d = epilogue.gift(lp, ref[rows], m, rewards[rows], opts)[:2]
         return d * ((rows.stop - rows.start) / B), None
 
     def loss(lp, ent):
@@ -284,7 +288,7 @@ def fdo(ref, mask, chosen, opts: FDOOptions) -> ChunkedLoss:
     advantages, seq = epilogue.fdo_as_fgrpo(chosen, opts)
 
     def grad(rows, m, lp, ent):
-        _, d = epilogue.fgrpo(lp, ref[rows], m, advantages[rows], None, None, seq)
+        _, d, _ = epilogue.fgrpo(lp, None, ref[rows], m, advantages[rows], None, None, None, seq)
         return d, None
 
     def loss(lp, ent):

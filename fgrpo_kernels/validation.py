@@ -212,6 +212,17 @@ def optional_per_token(arg: str, t, B: int, T: int) -> None:
         tensor(arg, t, shape=(B, T), floating=True)
 
 
+def is_ratio(arg: str, t, B: int, T: int, per_token: bool = True) -> None:
+    """A rollout-engine IS ratio: [B, T] (when `per_token`), [B, 1] or [B], floating."""
+    if t is None:
+        return
+    tensor(arg, t, floating=True)
+    shapes = ([(B, T)] if per_token else []) + [(B, 1), (B,)]
+    if tuple(t.shape) not in shapes:
+        want = " or ".join("[" + ", ".join(map(str, s)) + "]" for s in shapes)
+        raise ValueError(f"{arg}: expected shape {want}; got {list(t.shape)}")
+
+
 def advantages_or_rewards(advantages, rewards, num_generations_, B: int, need_rewards: bool):
     """f-GRPO's inputs: `advantages` [B], or `rewards` [B] with `num_generations` (normalised
     inside). Both are accepted only when rewards are needed besides (group_is_weights)."""

@@ -90,10 +90,25 @@ def is_weights(R, A, old, mask, G):
     return w
 
 
-def fgrpo(lp, ref, A, mask, div, beta, level, reduction, weights=None):
+def fgrpo(lp, ref, A, mask, div, beta, level, reduction, weights=None, rho=None, entropy=None,
+          entropy_coef=0.0):  # fmt: skip
+    """f-GRPO; rho per token [B][T] or per row [B][1] weights each unit; entropy_coef c
+    subtracts c·(masked mean entropy)."""
+    loss = _fgrpo(lp, ref, A, mask, div, beta, level, reduction, weights, rho)
+    if entropy_coef:
+        n = sum(map(sum, mask))
+        h = sum(e * m for er, mr in zip(entropy, mask) for e, m in zip(er, mr))
+        loss -= entropy_coef * h / max(n, 1)
+    return loss
+
+
+def _fgrpo(lp, ref, A, mask, div, beta, level, reduction, weights, rho):
     pos, neg = _phi(div)
     B = len(lp)
     weights = weights or [1.0] * B
+    if rho is not None and len(rho[0]) == 1:
+        weights = [w * r[0] for w, r in zip(weights, rho)]
+        rho = None
     if level == "sequence":
         units = []
         for i, k in enumerate(_rows(lp, ref, mask)):
@@ -104,8 +119,10 @@ def fgrpo(lp, ref, A, mask, div, beta, level, reduction, weights=None):
     for i in range(B):
         f = pos if A[i] > 0 else neg
         row = [
-            m * abs(A[i]) * weights[i] * f(beta * (a - b)) if m else 0.0
-            for a, b, m in zip(lp[i], ref[i], mask[i])
+            m * abs(A[i]) * weights[i] * f(beta * (a - b)) * (rho[i][t] if rho else 1.0)
+            if m
+            else 0.0
+            for t, (a, b, m) in enumerate(zip(lp[i], ref[i], mask[i]))
         ]
         total += sum(row)
         count += sum(mask[i])
@@ -117,34 +134,116 @@ def fgrpo(lp, ref, A, mask, div, beta, level, reduction, weights=None):
     return total
 
 
-def grpo(lp, old, ref, A, mask, loss_type, beta, el, eh, level, max_len=None, n_items=None):
+def _sigmoid(x):
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def quantile(xs, q):
+    """Linear-interpolation quantile (numpy's and torch's default)."""
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def vespo_phi(lp, old, A, mask, rho, k_pos, lam_pos, k_neg, lam_neg):
+    """VESPO's gamma weight per row: log w = Σ_t m·clamp(lp − old, ±20) + Σ_t clamp(log ρ_t)
+    (every column of ρ), clamped to [ln 1e-8, 20]; φ = exp(λ + k log w − λ w), non-finite → 0."""
+    lo = math.log(1e-8)
+    out = []
+    for i in range(len(lp)):
+        s = sum(m * min(max(a - o, -20.0), 20.0) for a, o, m in zip(lp[i], old[i], mask[i]))
+        if rho is not None:
+            s += sum(min(max(math.log(r) if r > 0 else -math.inf, lo), 20.0) for r in rho[i])
+        log_w = min(max(s, lo), 20.0)
+        k, lam = (k_pos, lam_pos) if A[i] >= 0 else (k_neg, lam_neg)
+        lam = max(lam, 1e-4)
+        try:
+            phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+        except OverflowError:
+            phi = 0.0
+        out.append(phi if math.isfinite(phi) else 0.0)
+    return out
+
+
+def _policy(loss_type, lp, w, a, el, eh, delta, clip_c, sapo, phi):
+    """One token's policy term (TRL's per-token loss before weights and KL)."""
+    if loss_type == "cispo":
+        return -min(w, eh) * a * lp
+    if loss_type == "sapo":
+        tau = sapo[0] if a > 0 else sapo[1]
+        return -a * 4.0 / tau * _sigmoid(tau * (w - 1.0))
+    if loss_type == "vespo":
+        return -phi * a * lp
+    u = w if delta is None else min(w, delta)
+    c = min(max(w, 1 - el), 1 + eh)
+    pt = -min(u * a, c * a)
+    if clip_c is not None and a < 0:
+        pt = min(pt, -a * clip_c)
+    return pt
+
+
+def grpo(lp, old, ref, A, mask, loss_type, beta, el, eh, level, max_len=None, n_items=None, *,
+         delta=None, clip_c=None, bias_kl=False, rho=None, entropy=None, entropy_coef=0.0,
+         top_q=1.0, off_policy=None, sampling=None, sapo=(1.0, 1.05),
+         vespo=(2.0, 3.0, 3.0, 2.0)):  # fmt: skip
+    """TRL 1.16's GRPO family, loop by loop. rho: per-token [B][T] or per-row [B][1]."""
     B, T = len(lp), len(lp[0])
     old = old or lp
     ref = ref or lp
-    pts = []
+    per_row_rho = rho is not None and len(rho[0]) == 1
+    thr = None
+    if top_q < 1.0:
+        live = [entropy[i][t] for i in range(B) for t in range(T) if mask[i][t]]
+        thr = quantile(live, 1.0 - top_q) if live else math.inf
+    phis = vespo_phi(lp, old, A, mask, rho, *vespo) if loss_type == "vespo" else [1.0] * B
+    keep = [1.0] * B
+    if off_policy is not None:
+        samp = sampling or old
+        for i in range(B):
+            L = sum(mask[i])
+            kl = sum(m * (s - a) for s, a, m in zip(samp[i], lp[i], mask[i])) / max(L, 1)
+            keep[i] = 1.0 if (A[i] >= 0 or kl <= off_policy) else 0.0
+    pts, eff = [], []
     for i in range(B):
         L = sum(mask[i])
         seq_lr = sum(m * (a - o) for a, o, m in zip(lp[i], old[i], mask[i])) / max(L, 1)
-        row = []
+        row, erow = [], []
         for t in range(T):
             lr = seq_lr if level == "sequence" else (lp[i][t] - old[i][t]) * mask[i][t]
-            c1 = _e(lr)
-            c2 = min(max(c1, 1 - el), 1 + eh)
-            pt = -min(c1 * A[i], c2 * A[i])
+            w = _e(lr)
+            pt = _policy(loss_type, lp[i][t], w, A[i], el, eh, delta, clip_c, sapo, phis[i])
+            e = 1.0
+            if thr is not None:
+                e = 1.0 if (mask[i][t] and entropy[i][t] * mask[i][t] >= thr) else 0.0
+            pt *= keep[i] * e
+            if rho is not None and loss_type != "vespo":
+                pt *= rho[i][0] if per_row_rho else rho[i][t]
             if beta != 0:
                 d = (ref[i][t] - lp[i][t]) * mask[i][t]
-                pt += beta * (_e(d) - d - 1)
+                pt += beta * (_e(d) - d - 1) * (w if bias_kl else 1.0)
             row.append(pt * mask[i][t])
+            erow.append(e * mask[i][t])
         pts.append(row)
+        eff.append(erow)
     total = sum(map(sum, pts))
     n_tok = sum(map(sum, mask))
-    if loss_type == "grpo":
-        return _mean([sum(r) / max(sum(m), 1) for r, m in zip(pts, mask)])
-    if loss_type == "bnpo":
-        return total / max(n_tok, 1)
-    if loss_type == "dr_grpo":
-        return total / (B * (max_len or T))
-    return total / max(n_items if n_items is not None else n_tok, 1)
+    if loss_type in ("grpo", "sapo"):
+        loss = _mean([sum(r) / max(sum(m), 1) for r, m in zip(pts, mask)])
+    elif loss_type == "bnpo":
+        loss = total / max(n_tok, 1)
+    elif loss_type == "dr_grpo":
+        loss = total / (B * (max_len or T))
+    elif loss_type == "luspo":
+        loss = total / B
+    else:
+        loss = total / max(n_items if n_items is not None else n_tok, 1)
+    if entropy_coef:
+        n_eff = sum(map(sum, eff))
+        h = sum(entropy[i][t] * eff[i][t] for i in range(B) for t in range(T))
+        loss -= entropy_coef * h / max(n_eff, 1)
+    return loss
 
 
 def gift(lp, ref, R, mask, G, beta=1.0, eps=1e-4, unbiased=True):

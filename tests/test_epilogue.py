@@ -24,11 +24,13 @@ from .epilogue_cases import (
     SOURCES,
     both,
     check,
+    grpo_options,
     name_of,
     reference_grad,
     run_fgrpo,
     run_gift,
     run_grpo,
+    side_inputs,
 )
 
 
@@ -53,22 +55,27 @@ def test_fgrpo_every_source_and_weighting(monkeypatch, source, weights, b, diver
     run_fgrpo(monkeypatch, b, divergence, *lr, source, weights, 0.5)
 
 
-@pytest.mark.parametrize("level", list(O.Level), ids=name_of)
 @pytest.mark.parametrize("loss_type", list(O.LossType), ids=name_of)
 @settings(max_examples=10, **QUICK)
 @given(
     b=batches(),
-    beta=st.sampled_from([0.0, 0.04]),
-    eps=st.sampled_from([(0.2, 0.2), (0.1, 0.28)]),
+    data=st.data(),
     has_old=st.booleans(),
     has_ref=st.booleans(),
     n_items=st.sampled_from([None, 7, "tensor"]),
     max_len=st.sampled_from([None, 12]),
+    ratio=st.sampled_from([None, "token", "row", "flat"]),
+    seed=st.integers(0, 2**31 - 1),
 )
-def test_grpo_matches(
-    monkeypatch, loss_type, level, b, beta, eps, has_old, has_ref, n_items, max_len
-):
-    run_grpo(monkeypatch, b, loss_type, level, beta, eps, has_old, has_ref, n_items, max_len)
+def test_grpo_matches(monkeypatch, loss_type, b, data, has_old, has_ref, n_items, max_len, ratio,
+                      seed):  # fmt: skip
+    """Every loss type with a draw of every option (level, β, ε, δ, dual clip, bias-corrected KL,
+    entropy bonus and mask, off-policy mask, ρ of each shape, loss-type parameters)."""
+    kwargs = data.draw(grpo_options(loss_type), label="options")
+    opts = O.GRPOOptions.parse(max_completion_length=max_len, **kwargs)
+    rho, entropy, sampling = side_inputs(b, ratio, seed)
+    f32 = [None if t is None else t.float() for t in (rho, entropy, sampling)]
+    run_grpo(monkeypatch, b, opts, has_old, has_ref, n_items, *f32)
 
 
 @pytest.mark.parametrize("unbiased", [True, False], ids=["unbiased", "biased"])
@@ -114,6 +121,33 @@ def test_rows_longer_than_a_tile_are_walked_in_chunks(monkeypatch, loss, b):
         run_fgrpo(monkeypatch, b, Divergence.JS, level, O.Reduction.SUM, "rewards_group", True, 0.5)
     elif loss.startswith("grpo"):
         level = O.Level.TOKEN if loss.endswith("token") else O.Level.SEQUENCE
-        run_grpo(monkeypatch, b, O.LossType.GRPO, level, 0.04, (0.2, 0.28), True, True, None, None)
+        opts = O.GRPOOptions(
+            O.LossType.GRPO, 0.04, 0.2, 0.28, level, use_bias_correction_kl=True,
+            entropy_coef=0.1, top_entropy_quantile=0.5,
+        )  # fmt: skip
+        rho, entropy, sampling = side_inputs(b, "token", 0)
+        run_grpo(monkeypatch, b, opts, True, True, None, rho.float(), entropy.float(), None)
     else:
         run_gift(monkeypatch, b, False, True, 1.0)
+
+
+@pytest.mark.parametrize("ratio", ["token", "row", "flat"])
+@pytest.mark.parametrize("level", list(O.Level), ids=name_of)
+@settings(max_examples=4, **QUICK)
+@given(b=batches(), divergence=st.sampled_from(DIVS), seed=st.integers(0, 2**31 - 1))
+def test_fgrpo_ratio_and_entropy_bonus(monkeypatch, level, ratio, b, divergence, seed):
+    """f-GRPO with the rollout ratio ρ on each unit and an entropy bonus (dL/dentropy too)."""
+    if level == O.Level.SEQUENCE and ratio == "token":
+        ratio = "row"
+    rho, entropy, _ = side_inputs(b, ratio, seed)
+    rho, entropy = rho.float(), entropy.float()
+    reduction = O.LEVEL_REDUCTIONS[level][0]
+    opts = O.FGRPOOptions(divergence, 0.5, level, reduction, entropy_coef=0.1)
+    args = (b.logps.float(), entropy, b.ref_logps, b.mask, b.advantages, None, None, rho, opts)
+    triton_out, cpu_out = both(monkeypatch, E.fgrpo, *args)
+    want = reference_grad(
+        R.fgrpo_loss, b.logps.float(), entropy_grad=True, ref_logps=b.ref_logps,
+        advantages=b.advantages, mask=b.mask, divergence=divergence, beta=0.5,
+        level=name_of(level), vllm_is_ratio=rho, entropy=entropy, entropy_coef=0.1,
+    )  # fmt: skip
+    check(f"fgrpo {name_of(divergence)} {name_of(level)} rho {ratio}", triton_out, want, cpu_out)

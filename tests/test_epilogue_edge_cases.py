@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fgrpo_kernels import epilogue as E
+from fgrpo_kernels import grpo_math
 from fgrpo_kernels import options as O
 from fgrpo_kernels import reference as R
 from fgrpo_kernels.divergences import Divergence
@@ -51,8 +52,19 @@ def test_grpo_log_ratios_of_200_stay_finite(monkeypatch, level):
         2,
         old=lp - shift,
     )
+    entropy = torch.rand(4, 6, generator=torch.Generator().manual_seed(2))
+    rho = torch.full((4, 6), 2.0)
     for loss_type in O.LossType:
-        run_grpo(monkeypatch, b, loss_type, level, 0.04, (0.2, 0.28), True, True, None, None)
+        if level == O.Level.SEQUENCE and O.LOSS_TYPE_SPECS[loss_type].token_level_only:
+            continue
+        clipped = O.LOSS_TYPE_SPECS[loss_type].objective == O.Objective.CLIPPED
+        # NB: no bias-corrected KL here: k3·w reaches e^160 at ref − old = 400 (docs/math.md)
+        opts = O.GRPOOptions(
+            loss_type, 0.04, 0.2, 0.28, level, entropy_coef=0.1, top_entropy_quantile=0.5,
+            off_policy_mask_threshold=0.5, clip_ratio_c=3.0 if clipped else None,
+            delta=2.0 if clipped else None,
+        )  # fmt: skip
+        run_grpo(monkeypatch, b, opts, True, True, None, rho, entropy, lp - 300.0)
 
 
 def test_fully_masked_batch(monkeypatch):
@@ -63,10 +75,13 @@ def test_fully_masked_batch(monkeypatch):
     for divergence in DIVS:
         for level, reduction in LEVEL_REDUCTIONS:
             run_fgrpo(monkeypatch, b, divergence, level, reduction, "rewards_group", True, 1.0)
+    entropy = torch.rand(4, 3, generator=torch.Generator().manual_seed(3))
     for loss_type in O.LossType:
-        run_grpo(
-            monkeypatch, b, loss_type, O.Level.SEQUENCE, 0.04, (0.2, 0.2), True, True, None, None
-        )
+        token_only = O.LOSS_TYPE_SPECS[loss_type].token_level_only
+        level = O.Level.TOKEN if token_only else O.Level.SEQUENCE
+        opts = O.GRPOOptions(loss_type, 0.04, 0.2, 0.2, level, entropy_coef=0.1,
+                             top_entropy_quantile=0.5)  # fmt: skip
+        run_grpo(monkeypatch, b, opts, True, True, None, None, entropy, None)
     run_gift(monkeypatch, b, False, True, 1.0)
     triton_out, _ = both(monkeypatch, E.gift, lp, lp * 0.5, b.mask, rewards, O.GIFTOptions(2, 1.0))
     assert torch.equal(triton_out[1], torch.zeros(4, 3))
@@ -106,7 +121,7 @@ def test_flat_fp32_reward_group_normalises_to_exactly_zero(monkeypatch):
         args, want = fgrpo_case(b, Divergence.KL, level, reduction, "rewards_group", False, 1.0)
         with monkeypatch.context() as mp:
             mp.setenv("FGRPO_BACKEND", "triton")
-            loss, grad = E.fgrpo(*args)
+            loss, grad, _ = E.fgrpo(*args)
         check(f"fgrpo {name_of(level)} {name_of(reduction)}", (loss, grad), want)
         assert torch.equal(grad[:3], torch.zeros(3, 4)), "flat group got a nonzero advantage"
 
@@ -118,7 +133,10 @@ def test_grpo_without_old_logps_keeps_the_policy_gradient(monkeypatch, level):
     adv = torch.tensor([1.0, -2.0])
     opts = O.GRPOOptions(O.LossType.DAPO, 0.0, 0.2, 0.2, level)
     mask = torch.ones(2, 3, dtype=torch.bool)
-    (loss, grad), _ = both(monkeypatch, E.grpo, lp, None, None, mask, adv, None, opts)
+    norms = grpo_math.normalisers(mask, opts)
+    (loss, grad), _ = both(
+        monkeypatch, E.grpo, lp, None, None, None, mask, adv, None, None, norms, opts
+    )
     torch.testing.assert_close(loss, -adv.sum() * 3 / 6)
     torch.testing.assert_close(grad, (-adv / 6)[:, None].expand(2, 3))
 
@@ -144,9 +162,8 @@ def test_mask_dtypes_and_a_strided_logps_view(monkeypatch, mask_dtype):
         True,
         1.0,
     )
-    run_grpo(
-        monkeypatch, b, O.LossType.GRPO, O.Level.SEQUENCE, 0.04, (0.2, 0.2), True, True, None, None
-    )
+    opts = O.GRPOOptions(O.LossType.GRPO, 0.04, 0.2, 0.2, O.Level.SEQUENCE)
+    run_grpo(monkeypatch, b, opts, True, True, None)
     run_gift(monkeypatch, b, False, True, 1.0)
 
 
@@ -194,5 +211,5 @@ def test_long_log_prob_sums_are_exact():
         )
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("FGRPO_BACKEND", "triton")
-            got = E.fgrpo(*args)
+            got = E.fgrpo(*args)[:2]
         check(f"fgrpo KL sequence IS, trial {trial}", got, want)

@@ -16,6 +16,8 @@ from fgrpo_kernels import reference as R
 from fgrpo_kernels.divergences import NAMES
 from fgrpo_kernels.testing import linear_batches, rel_error
 
+from .epilogue_cases import grpo_options, side_inputs
+
 HAS_TRITON_PATH = importlib.util.find_spec("fgrpo_kernels.kernels.epilogue") is not None
 BACKENDS = [
     "cpu",
@@ -35,15 +37,16 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def _compare(lb, module_fn, reference_fn, tol, label, tau=1.0, grad_floor=1e-6):
-    """module_fn(hidden, weight, bias) and reference_fn(logps64) → loss; compare values/grads."""
+def _compare(lb, module_fn, reference_fn, tol, label, tau=1.0, grad_floor=1e-6, entropy=False):
+    """module_fn(hidden, weight, bias) and reference_fn(logps64) → loss; compare values/grads.
+    With `entropy`, reference_fn(logps64, entropy64) gets the float64 entropies too."""
     leaves = [lb.hidden, lb.weight] + ([] if lb.bias is None else [lb.bias])
     ours_in = [t.clone().requires_grad_(True) for t in leaves]
     ref_in = [t.double().requires_grad_(True) for t in leaves]
     loss, metrics = module_fn(ours_in[0], ours_in[1], ours_in[2] if lb.bias is not None else None)
     ref_bias = ref_in[2] if lb.bias is not None else None
-    logps = R.logprobs(ref_in[0], ref_in[1], lb.completion_ids, ref_bias, tau)
-    want = reference_fn(logps)
+    out = R.logprobs(ref_in[0], ref_in[1], lb.completion_ids, ref_bias, tau, return_entropy=entropy)
+    want = reference_fn(*out) if entropy else reference_fn(out)
     grads = torch.autograd.grad(loss, ours_in)
     want_grads = torch.autograd.grad(want, ref_in)
     # A loss whose terms cancel (FDO's two pools, ±advantages) keeps fp32's absolute error of
@@ -69,9 +72,14 @@ EXAMPLES = settings(max_examples=6)
     tau=st.sampled_from([1.0, 0.7]),
     rewards_in=st.booleans(),
     is_weights=st.booleans(),
+    ratio=st.sampled_from([None, "row", "token"]),
+    coef=st.sampled_from([0.0, 0.1]),
 )
-def test_fgrpo_module(backend, lb, div, level, data, tau, rewards_in, is_weights):
+def test_fgrpo_module(backend, lb, div, level, data, tau, rewards_in, is_weights, ratio, coef):
     b = lb.batch
+    ratio = "row" if level == "sequence" and ratio == "token" else ratio
+    rho = side_inputs(b, ratio, 0)[0]
+    rho = None if rho is None else rho.float()
     red = data.draw(st.sampled_from(R.REDUCTIONS[level]), label="reduction")
     scale = data.draw(st.sampled_from(R.SCALES), label="scale") if rewards_in else "group"
     G = b.num_generations
@@ -84,6 +92,7 @@ def test_fgrpo_module(backend, lb, div, level, data, tau, rewards_in, is_weights
         temperature=tau,
         scale_rewards=scale,
         group_is_weights=is_weights,
+        entropy_coef=coef,
     )
     adv = R.group_normalize(b.rewards.double(), G, scale=scale) if rewards_in else b.advantages
     kwargs = {"rewards": b.rewards} if rewards_in else {"advantages": b.advantages}
@@ -92,10 +101,11 @@ def test_fgrpo_module(backend, lb, div, level, data, tau, rewards_in, is_weights
 
     def ours(h, w, bias):
         return module(
-            h, w, lb.completion_ids, b.mask, ref_per_token_logps=b.ref_logps, bias=bias, **kwargs
-        )
+            h, w, lb.completion_ids, b.mask, ref_per_token_logps=b.ref_logps, bias=bias,
+            vllm_is_ratio=rho, **kwargs,
+        )  # fmt: skip
 
-    def ref(lp):
+    def ref(lp, entropy):
         return R.fgrpo_loss(
             lp,
             b.ref_logps.double(),
@@ -109,61 +119,60 @@ def test_fgrpo_module(backend, lb, div, level, data, tau, rewards_in, is_weights
             old_logps=b.old_logps.double(),
             rewards=b.rewards.double() if is_weights else None,
             num_generations=G,
+            vllm_is_ratio=rho,
+            entropy=entropy,
+            entropy_coef=coef,
         )
 
-    m = _compare(lb, ours, ref, TOL[lb.hidden.dtype], f"f-GRPO {div} {level} {red} {backend}", tau)
+    label = f"f-GRPO {div} {level} {red} rho {ratio} c {coef} {backend}"
+    m = _compare(lb, ours, ref, TOL[lb.hidden.dtype], label, tau, entropy=True)
     assert {"loss", "kl", "implicit_reward"} <= m.keys()
 
 
-@EXAMPLES
+@settings(max_examples=12)
 @given(
     lb=linear_batches(),
-    loss_type=st.sampled_from(R.LOSS_TYPES),
-    level=st.sampled_from(R.LEVELS),
-    beta=st.sampled_from([0.0, 0.04]),
+    data=st.data(),
     tau=st.sampled_from([1.0, 0.7]),
     no_old=st.booleans(),
     n_items=st.sampled_from([None, 9]),
+    ratio=st.sampled_from([None, "token", "row", "flat"]),
+    seed=st.integers(0, 2**31 - 1),
 )
-def test_grpo_module(backend, lb, loss_type, level, beta, tau, no_old, n_items):
+def test_grpo_module(backend, lb, data, tau, no_old, n_items, ratio, seed):
+    """Every loss type with a draw of every option; the entropy (mask, bonus) and its gradient
+    come from the same fused kernel as the log-probs."""
     b = lb.batch
-    module = fk.FusedLinearGRPOLoss(
-        loss_type, beta, 0.2, 0.28, level, tau, max_completion_length=b.logps.shape[1] + 2
-    )
+    kwargs = data.draw(grpo_options(), label="options")
+    if kwargs["top_entropy_quantile"] < 1.0:
+        # NB: a quantile between two entropies: at an exact order statistic the threshold is
+        # one token's own entropy, which fp32 and float64 round differently.
+        kwargs["top_entropy_quantile"] = 0.37
+    T = b.logps.shape[1]
+    module = fk.FusedLinearGRPOLoss(temperature=tau, max_completion_length=T + 2, **kwargs)
     old = None if no_old else b.old_logps
+    rho, _, sampling = side_inputs(b, ratio, seed)
+    rho = None if rho is None else rho.float()
 
     def ours(h, w, bias):
         return module(
-            h,
-            w,
-            lb.completion_ids,
-            b.mask,
-            b.advantages,
-            bias,
-            ref_per_token_logps=b.ref_logps,
-            old_per_token_logps=old,
-            num_items_in_batch=n_items,
-        )
+            h, w, lb.completion_ids, b.mask, b.advantages, bias, ref_per_token_logps=b.ref_logps,
+            old_per_token_logps=old, num_items_in_batch=n_items, vllm_is_ratio=rho,
+            sampling_per_token_logps=sampling.float(),
+        )  # fmt: skip
 
-    def ref(lp):
+    def ref(lp, entropy):
         return R.grpo_loss(
-            lp,
-            None if old is None else old.double(),
-            b.ref_logps.double(),
-            b.advantages.double(),
-            b.mask,
-            loss_type,
-            beta,
-            0.2,
-            0.28,
-            level,
-            b.logps.shape[1] + 2,
-            n_items,
-        )
+            lp, None if old is None else old.double(), b.ref_logps.double(),
+            b.advantages.double(), b.mask, max_completion_length=T + 2, num_items_in_batch=n_items,
+            vllm_is_ratio=rho, entropy=entropy, sampling_logps=sampling, **kwargs,
+        )  # fmt: skip
 
-    m = _compare(lb, ours, ref, TOL[lb.hidden.dtype], f"GRPO {loss_type} {level} {backend}", tau)
-    assert {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"} <= m.keys()
-    assert ("kl" in m) == (beta != 0.0)
+    label = f"GRPO {kwargs} {backend}"
+    m = _compare(lb, ours, ref, TOL[lb.hidden.dtype], label, tau, entropy=True)
+    clipped = kwargs["loss_type"] in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+    assert ({"clip_ratio/low_mean", "clip_ratio/region_mean"} <= m.keys()) == clipped
+    assert ("kl" in m) == (kwargs["beta"] != 0.0)
 
 
 @EXAMPLES

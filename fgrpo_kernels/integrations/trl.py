@@ -4,32 +4,31 @@
     trainer = FusedGRPOTrainer(model=..., reward_funcs=..., args=FusedGRPOConfig(...), ...)
 
 or, on a trainer you already built, `use_fused_loss(trainer)`. Only `_compute_loss` changes:
-TRL still generates, scores, and computes the old and reference log-probs (for PEFT, with the
-adapter disabled). The loss runs the backbone, takes the hidden states that predict the
-completion tokens (shifted by one, as TRL's fused head does) and calls FusedLinearGRPOLoss
-with TRL's normalisers, so loss and gradients equal TRL's own. Two more `loss_type`s:
-"fgrpo" (FusedLinearFGRPOLoss, TRL's advantages, `beta` as the f-GRPO β) and "gift"
-(FusedLinearGIFTLoss on the raw rewards, whole groups per micro-batch). Options TRL has and the
-fused loss does not (other loss types, two-sided clipping `delta`, off-policy masks, entropy
-masks and bonus, vLLM IS correction, MoE aux loss, multimodal inputs, soft-capped heads) fall
-back to TRL's own loss for the GRPO family, with one warning. TRL's default
-`use_bias_correction_kl=True` (with beta != 0) is reproduced from the fused log-probs.
+TRL still generates, scores, and computes the old, reference and sampling log-probs and the vLLM
+importance-sampling ratio (for PEFT, with the adapter disabled). The loss runs the backbone,
+takes the hidden states that predict the completion tokens (shifted by one, as TRL's fused head
+does) and calls FusedLinearGRPOLoss with TRL's options and normalisers, so loss and gradients
+equal TRL's own: every loss type, `delta`, the vLLM IS correction in every mode,
+`use_bias_correction_kl`, `entropy_coef` (static or adaptive), `top_entropy_quantile`,
+`off_policy_mask_threshold`, `mask_truncated_completions`, `num_items_in_batch`, the MoE
+load-balancing loss and scaled logits (`logit_scale` and kin). There is no fallback to TRL's
+loss: what is not fused (soft-capped logits, vision-language models, per-token advantages)
+raises with the option's name. Two more `loss_type`s: "fgrpo" (FusedLinearFGRPOLoss, TRL's
+advantages, `beta` as the f-GRPO β) and "gift" (FusedLinearGIFTLoss on the raw rewards, whole
+groups per micro-batch).
 """
 
 from __future__ import annotations
 
-import warnings
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from .. import grpo_math
 from ..divergences import NAMES as DIVERGENCES
-from ..logprobs import fused_linear_logprobs
 from ..losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
-from ..options import LOSS_TYPES as GRPO_FAMILY
-from ..options import Level, parse
+from ..options import LOSS_TYPE_SPECS, LOSS_TYPES, LossType, Normaliser, Objective, parse
 from . import trl_glue as glue
 
 EXTRA_LOSS_TYPES = ("fgrpo", "gift")
@@ -44,6 +43,25 @@ class FusedGRPOConfig(GRPOConfig):
     fgrpo_level: str = "token"
     fgrpo_reduction: str | None = None
     gift_detach_stats: bool = False
+
+
+class _TRLGRPOLoss(FusedLinearGRPOLoss):
+    """FusedLinearGRPOLoss whose entropy-mask threshold is TRL's: the quantile of the
+    unmasked entropies gathered from every process (`gather(local) -> all`)."""
+
+    def __init__(self, gather, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._gather = gather
+        self.last_entropy_threshold = None
+
+    def entropy_threshold(self, entropy, mask):
+        local = entropy.detach()[mask.bool()].float()
+        every = self._gather(local)
+        quantile = self.opts.top_entropy_quantile
+        inf = torch.full((), float("inf"), device=entropy.device)
+        threshold = torch.quantile(every, 1.0 - quantile) if every.numel() else inf
+        self.last_entropy_threshold = threshold
+        return threshold
 
 
 class FusedLossMixin:
@@ -63,20 +81,58 @@ class FusedLossMixin:
                 "steps_per_generation: loss_type='gift' needs whole groups in each micro-batch; "
                 f"expected 1, got {self.args.steps_per_generation}"
             )
-        self._fgrpo_level = parse(
-            Level, "importance_sampling_level", self.importance_sampling_level
-        )
+        known = LOSS_TYPES + EXTRA_LOSS_TYPES
+        if self.loss_type not in known:
+            raise ValueError(f"loss_type: expected one of {known}; got {self.loss_type!r}")
+        lm = glue.causal_lm(self.accelerator.unwrap_model(self.model))
+        self._fgrpo_temperature = self.temperature / glue.logit_scale(lm.config.get_text_config())
+        self._fgrpo_unsupported()
         self._fgrpo_loss = self._fgrpo_build_loss()
-        self._fgrpo_warned = False
         glue.install_hidden_forward(self.model)
 
+    def _fgrpo_unsupported(self) -> None:
+        """What the fused loss cannot compute raises here, named (no silent fallback)."""
+        lm = glue.causal_lm(self.accelerator.unwrap_model(self.model))
+        config = lm.config.get_text_config()
+        checks = [
+            (getattr(config, "final_logit_softcapping", None) is not None,
+             "final_logit_softcapping", "soft-capped logits"),
+            (getattr(self, "_is_vlm", False), "processing_class",
+             "vision-language models (multimodal inputs)"),
+            (hasattr(lm.get_output_embeddings(), "base_layer"), "peft_config",
+             "an adapter on the lm_head"),
+            (self.loss_type in EXTRA_LOSS_TYPES and self._fgrpo_trl_options(),
+             "loss_type", f"loss_type={self.loss_type!r} with {self._fgrpo_trl_options()}"),
+        ]  # fmt: skip
+        for bad, arg, what in checks:
+            if bad:
+                raise NotImplementedError(f"{arg}: {what} is not supported by the fused loss")
+
+    def _fgrpo_trl_options(self) -> list[str]:
+        """The GRPO-family options set on this trainer that the extra loss type lacks ("fgrpo"
+        takes the vLLM IS ratio and a static entropy bonus, "gift" none)."""
+        on = {
+            "delta": getattr(self.args, "delta", None) is not None,
+            "off_policy_mask_threshold": self.off_policy_mask_threshold is not None,
+            "top_entropy_quantile": self.top_entropy_quantile < 1.0,
+            "use_adaptive_entropy": getattr(self, "use_adaptive_entropy", False),
+        }
+        if self.loss_type == "gift":
+            on["entropy_coef"] = getattr(self, "_entropy_bonus_enabled", False)
+            on["vllm_importance_sampling_correction"] = self._fgrpo_vllm_is()
+        return [name for name, value in on.items() if value]
+
+    def _fgrpo_vllm_is(self) -> bool:
+        return bool(self.use_vllm and self.vllm_importance_sampling_correction)
+
     def _fgrpo_build_loss(self) -> torch.nn.Module:
-        args, tau = self.args, self.temperature
+        args, tau = self.args, self._fgrpo_temperature
         if self.loss_type == "fgrpo":
             return FusedLinearFGRPOLoss(
                 args.fgrpo_divergence if hasattr(args, "fgrpo_divergence") else "pearson",
                 self.beta, getattr(args, "fgrpo_level", "token"),
                 getattr(args, "fgrpo_reduction", None), temperature=tau, compute_entropy=True,
+                entropy_coef=self.entropy_coef if self._entropy_bonus_enabled else 0.0,
             )  # fmt: skip
         if self.loss_type == "gift":
             detach = getattr(args, "gift_detach_stats", False)
@@ -84,60 +140,43 @@ class FusedLossMixin:
                 self.num_generations, self.beta, detach_stats=detach, temperature=tau,
                 compute_entropy=True,
             )  # fmt: skip
-        if self.loss_type not in GRPO_FAMILY:
-            return None
-        return FusedLinearGRPOLoss(
-            self.loss_type, self.beta, self.epsilon_low, self.epsilon_high,
+        spec = LOSS_TYPE_SPECS[parse(LossType, "loss_type", self.loss_type)]
+        params = {name: getattr(args, name, None) for name, _ in spec.params}
+        delta = getattr(args, "delta", None) if spec.objective == Objective.CLIPPED else None
+        bonus = getattr(self, "_entropy_bonus_enabled", False)
+
+        def gather(local):
+            padded = self.accelerator.pad_across_processes(local, dim=0, pad_index=-1e9)
+            every = self.accelerator.gather(padded)
+            return every[every != -1e9]
+
+        return _TRLGRPOLoss(
+            gather, self.loss_type, self.beta, self.epsilon_low, self.epsilon_high,
             self.importance_sampling_level, tau, self.max_completion_length,
-            use_ref_model=self.beta != 0.0, compute_entropy=True,
+            use_ref_model=self.beta != 0.0, compute_entropy=True, delta=delta,
+            use_bias_correction_kl=getattr(args, "use_bias_correction_kl", False),
+            entropy_coef=self.entropy_coef if bonus else 0.0,
+            top_entropy_quantile=self.top_entropy_quantile,
+            off_policy_mask_threshold=self.off_policy_mask_threshold, **params,
         )  # fmt: skip
 
-    def _fgrpo_unsupported(self, inputs) -> str | None:
-        """Why this batch needs TRL's own loss, or None."""
-        args, lm = self.args, glue.causal_lm(self.accelerator.unwrap_model(self.model))
-        config = lm.config.get_text_config()
-        checks = [
-            (self._fgrpo_loss is None, f"loss_type={self.loss_type!r}"),
-            (
-                self.loss_type in GRPO_FAMILY and getattr(args, "delta", None) is not None,
-                "delta (two-sided clipping)",
-            ),
-            (getattr(self, "off_policy_mask_threshold", None) is not None, "off-policy mask"),
-            (getattr(self, "top_entropy_quantile", 1.0) < 1.0, "top_entropy_quantile < 1"),
-            (getattr(self, "_entropy_bonus_enabled", False), "entropy bonus"),
-            (getattr(self, "aux_loss_enabled", False), "MoE aux loss"),
-            (
-                self.use_vllm and getattr(self, "vllm_importance_sampling_correction", False),
-                "vLLM importance-sampling correction",
-            ),
-            (any(inputs.get(k) is not None for k in _MULTIMODAL), "multimodal inputs"),
-            (inputs["advantages"].dim() != 1, "per-token advantages"),
-            (getattr(config, "final_logit_softcapping", None) is not None, "logit soft-capping"),
-            (hasattr(lm.get_output_embeddings(), "base_layer"), "an adapter on the lm_head"),
-        ]
-        for key in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
-            checks.append((getattr(config, key, None) not in (None, 1.0), key))
-        return next((why for bad, why in checks if bad), None)
-
     def _compute_loss(self, model, inputs):
-        why = self._fgrpo_unsupported(inputs)
-        if why is not None:
-            if self.loss_type in EXTRA_LOSS_TYPES:
-                raise NotImplementedError(f"loss_type={self.loss_type!r} with {why}")
-            if not self._fgrpo_warned:
-                warnings.warn(f"fgrpo_kernels: {why} is not fused; using TRL's loss", stacklevel=2)
-                self._fgrpo_warned = True
-            return super()._compute_loss(model, inputs)
+        if any(inputs.get(k) is not None for k in _MULTIMODAL):
+            raise NotImplementedError("pixel_values: multimodal inputs are not supported")
+        if inputs["advantages"].dim() != 1:
+            raise NotImplementedError("advantages: per-token advantages are not supported")
         if self.loss_type == "gift":
             inputs = glue.groups_contiguous(inputs, self.num_generations)
         ids, cmask = inputs["completion_ids"], inputs["completion_mask"]
         mask = cmask if "tool_mask" not in inputs else cmask * inputs["tool_mask"]
         T = ids.size(1)
+        aux = getattr(self, "aux_loss_enabled", False)
         with self.accelerator.autocast():
             out = model(
                 input_ids=torch.cat([inputs["prompt_ids"], ids], 1),
                 attention_mask=torch.cat([inputs["prompt_mask"], cmask], 1),
                 fgrpo_last_hidden=True,
+                **({"output_router_logits": True} if aux else {}),
             )
         head = glue.causal_lm(self.accelerator.unwrap_model(model)).get_output_embeddings()
         weight, bias = head.weight, head.bias
@@ -145,91 +184,134 @@ class FusedLossMixin:
         if hidden.dtype != weight.dtype:  # e.g. cast_lm_head_to_fp32
             hidden = hidden.to(weight.dtype)
         mode = "train" if self.model.training else "eval"
-        ref, old, adv = (
-            inputs.get("ref_per_token_logps"),
-            inputs.get("old_per_token_logps"),
-            inputs["advantages"],
-        )
-        dapo = self.loss_type == "dapo"
-        if self._fgrpo_bias_corrected_kl():
-            loss, metrics = glue.bias_corrected_grpo_loss(
-                self, hidden, weight, bias, ids, mask, adv, ref, old
-            )
-        elif self.loss_type == "fgrpo":
+        accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        ref, adv = inputs.get("ref_per_token_logps"), inputs["advantages"]
+        if self.loss_type == "fgrpo":
+            ratio = inputs.get("importance_sampling_ratio") if self._fgrpo_vllm_is() else None
             loss, metrics = self._fgrpo_loss(
-                hidden, weight, ids, mask, advantages=adv, ref_per_token_logps=ref, bias=bias
-            )
+                hidden, weight, ids, mask, advantages=adv, ref_per_token_logps=ref, bias=bias,
+                vllm_is_ratio=ratio,
+            )  # fmt: skip
+            loss = loss / accum
         elif self.loss_type == "gift":
             rewards = inputs["fgrpo_rewards"]
             loss, metrics = self._fgrpo_loss(hidden, weight, ids, mask, rewards, ref, bias=bias)
-        else:  # dapo: the sum here, TRL's normaliser below
-            loss, metrics = self._fgrpo_loss(
-                hidden, weight, ids, mask, adv, bias, ref_per_token_logps=ref,
-                old_per_token_logps=old, num_items_in_batch=1.0 if dapo else None,
-            )  # fmt: skip
-        accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if dapo:  # TRL: Σ mask·pt / (num_items / processes · accum / steps_per_generation)
-            norm = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
-            if mode == "train":
-                norm = norm * self.current_gradient_accumulation_steps
-                norm = norm / self.args.steps_per_generation
-            loss = loss / norm
-        else:
             loss = loss / accum
-        self._fgrpo_log(mode, metrics, mask, hidden, weight, bias, ids, old, adv)
+        else:
+            loss, metrics = self._fgrpo_grpo_loss(mode, accum, inputs, hidden, weight, bias, mask)
+        if aux:
+            aux_loss = glue.router_aux_loss(self.model, out, inputs, cmask)
+            loss = loss + self.router_aux_loss_coef * aux_loss / accum
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux_loss.detach()).mean().item()
+            )
+        self._fgrpo_log(mode, metrics, mask)
         return loss
 
-    def _fgrpo_bias_corrected_kl(self) -> bool:
-        return (
-            self.loss_type in GRPO_FAMILY
-            and self.beta != 0.0
-            and getattr(self.args, "use_bias_correction_kl", False)
-        )
+    def _fgrpo_grpo_loss(self, mode, accum, inputs, hidden, weight, bias, mask):
+        """The GRPO family with TRL's normalisers: the module's loss is Σ n_i·pt − c·H̄; TRL's is
+        that with the dapo-family normaliser num_items / processes · accum / steps_per_generation,
+        the others and the bonus divided by accum."""
+        loss_fn = self._fgrpo_loss
+        items = None
+        if loss_fn.opts.spec.normaliser == Normaliser.ITEMS:
+            items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                items = items / self.args.steps_per_generation
+        ratio = inputs.get("importance_sampling_ratio") if self._fgrpo_vllm_is() else None
+        coef = self._fgrpo_entropy_coef()
+        if coef != loss_fn.opts.entropy_coef:
+            loss_fn.opts = dataclasses.replace(loss_fn.opts, entropy_coef=coef)
+        loss, metrics, entropy = loss_fn(
+            hidden, weight, inputs["completion_ids"], mask, inputs["advantages"], bias,
+            ref_per_token_logps=inputs.get("ref_per_token_logps"),
+            old_per_token_logps=inputs.get("old_per_token_logps"),
+            sampling_per_token_logps=inputs.get("sampling_per_token_logps"),
+            vllm_is_ratio=ratio,
+            num_items_in_batch=items, return_entropy=True,
+        )  # fmt: skip
+        if getattr(self, "_entropy_bonus_enabled", False):
+            policy = metrics.get("policy_loss", loss.detach())
+            if items is not None:
+                policy = policy / accum
+            self._metrics[mode]["policy_loss"].append(
+                self.accelerator.gather(policy).nanmean().item()
+            )
+            self._fgrpo_adapt_entropy(mode, entropy.detach(), mask)
+        return loss / accum, metrics
 
-    def _fgrpo_log(self, mode, metrics, mask, hidden, weight, bias, ids, old, adv):
-        """TRL's metric names, each a global token-weighted mean like TRL's."""
+    def _fgrpo_entropy_coef(self) -> float:
+        """TRL's entropy coefficient for this micro-batch: the static one, or under adaptive
+        control the current one while the last step's entropy is at or below the target."""
+        if not getattr(self, "_entropy_bonus_enabled", False):
+            return 0.0
+        if getattr(self, "use_adaptive_entropy", False):
+            low = self._last_world_entropy <= self.args.entropy_target
+            return self.entropy_coef if low else 0.0
+        return self.entropy_coef
+
+    def _fgrpo_adapt_entropy(self, mode, entropy, mask) -> None:
+        """TRL's adaptive entropy controller (Skywork-OR1): accumulate the window's entropy over
+        the bonus tokens; at each optimizer step move the coefficient by entropy_coef_delta
+        towards keeping the entropy above entropy_target, within [min, max]."""
+        if mode == "train" and getattr(self, "use_adaptive_entropy", False):
+            weights = mask.float()
+            if self.top_entropy_quantile < 1.0:
+                keep = entropy * weights >= self._fgrpo_loss.last_entropy_threshold
+                weights = weights * keep.float()
+            stats = torch.stack([(entropy * weights).sum(), weights.sum()])
+            window = self._entropy_window_stats
+            self._entropy_window_stats = stats if window is None else window + stats
+            if self.accelerator.sync_gradients:
+                total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world = (total[0] / total[1].clamp(min=1.0)).item()
+                a = self.args
+                if world <= a.entropy_target:
+                    self.entropy_coef = min(
+                        self.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max
+                    )
+                else:
+                    self.entropy_coef = max(
+                        self.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min
+                    )
+                self._last_world_entropy = world
+                self._entropy_window_stats = None
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+
+    def _fgrpo_log(self, mode, metrics, mask):
+        """TRL's metric names, each reduced over processes as TRL does."""
         tokens = mask.sum().float()
         rows = torch.tensor(float(mask.shape[0]), device=tokens.device)
         sequence = self.importance_sampling_level == "sequence"
 
-        def log(name, value, count):
-            totals = self.accelerator.reduce(torch.stack([value * count, count]), reduction="sum")
-            self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        def log(name, count, key=None):
+            if name in metrics:
+                totals = torch.stack([metrics[name] * count, count])
+                totals = self.accelerator.reduce(totals, reduction="sum")
+                value = (totals[0] / totals[1].clamp(min=1.0)).item()
+                self._metrics[mode][key or name].append(value)
 
-        if "kl" in metrics:
-            log("kl", metrics["kl"], tokens)
-        log("entropy", metrics["entropy"], tokens)
-        if self.loss_type not in GRPO_FAMILY:
-            for name, value in metrics.items():
+        log("kl", tokens)
+        log("entropy", tokens)
+        if self.loss_type in EXTRA_LOSS_TYPES:
+            for name in metrics:
                 if name.startswith("implicit_reward"):
-                    log(f"{self.loss_type}/{name}", value, rows)
+                    log(name, rows, key=f"{self.loss_type}/{name}")
             return
         for side in ("low", "high", "region"):
-            log(
-                f"clip_ratio/{side}_mean",
-                metrics[f"clip_ratio/{side}_mean"],
-                rows if sequence else tokens,
-            )
-        low, high = self._fgrpo_clip_per_sequence(mask, hidden, weight, bias, ids, old, adv)
-        low, high = self.accelerator.gather(low), self.accelerator.gather(high)
-        self._metrics[mode]["clip_ratio/low_min"].append(low[~low.isnan()].min().item())
-        self._metrics[mode]["clip_ratio/high_max"].append(high[~high.isnan()].max().item())
-
-    @torch.no_grad()
-    def _fgrpo_clip_per_sequence(self, mask, hidden, weight, bias, ids, old, adv):
-        """Per-sequence clipped fractions [B] (TRL's low_min / high_max inputs); zero without
-        old log-probs, since the ratio is then exactly 1."""
-        B = mask.shape[0]
-        if old is None:
-            return (mask.new_zeros(B, dtype=torch.float32),) * 2
-        targets = ids.masked_fill(mask == 0, -100)
-        logps = fused_linear_logprobs(hidden.detach(), weight, targets, bias, self.temperature)
-        coef = grpo_math.importance_ratio(logps, old, mask, self._fgrpo_level)
-        low, high = grpo_math.clip_indicators(coef, adv, self.epsilon_low, self.epsilon_high)
-        if low.shape[1] == 1:
-            return low[:, 0], high[:, 0]
-        m = mask.float()
-        return (low * m).sum(-1) / m.sum(-1), (high * m).sum(-1) / m.sum(-1)
+            log(f"clip_ratio/{side}_mean", rows if sequence else tokens)
+        log("cispo_clip_ratio", tokens)
+        log("vespo/phi_seq_mean", rows)
+        for name, extreme in (
+            ("clip_ratio/low_min", torch.min),
+            ("clip_ratio/high_max", torch.max),
+        ):
+            if name in metrics:
+                every = self.accelerator.gather(metrics[name].reshape(1))
+                every = every[~every.isnan()]
+                value = extreme(every).item() if every.numel() else float("nan")
+                self._metrics[mode][name].append(value)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

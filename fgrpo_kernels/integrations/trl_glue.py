@@ -1,5 +1,5 @@
 """Tensor-level helpers of the TRL drop-in (no TRL import): the hidden-state forward, group
-reordering, and the bias-corrected-KL loss (on `grpo_math`)."""
+reordering, the logit scale and the MoE load-balancing loss."""
 
 from __future__ import annotations
 
@@ -7,10 +7,6 @@ import functools
 import types
 
 import torch
-
-from .. import grpo_math
-from ..logprobs import fused_linear_logprobs
-from ..options import LossType
 
 
 def causal_lm(model):
@@ -55,35 +51,29 @@ def groups_contiguous(inputs: dict, num_generations: int) -> dict:
     }
 
 
-def bias_corrected_grpo_loss(trainer, hidden, weight, bias, ids, mask, adv, ref, old):
-    """TRL's GRPO-family loss with use_bias_correction_kl (the KL term times the importance
-    ratio), which FusedLinearGRPOLoss lacks: the fused log-probs (no logits), then the O(B·T)
-    loss in PyTorch. dapo returns the sum (the caller divides by TRL's normaliser)."""
-    t = trainer
-    level, loss_type = t._fgrpo_level, t._fgrpo_loss.opts.loss_type
-    targets = ids.masked_fill(mask == 0, -100)
-    logps, entropy = fused_linear_logprobs(
-        hidden, weight, targets, bias, t.temperature, return_entropy=True
-    )
-    coef = grpo_math.importance_ratio(logps, old, mask, level)
-    per_token = grpo_math.clipped_surrogate(coef, adv, t.epsilon_low, t.epsilon_high)
-    # NB: coef carries the gradient of the correction
-    per_token = per_token + t.beta * grpo_math.k3(ref, logps, mask) * coef
-    dapo = loss_type == LossType.DAPO
-    scale = grpo_math.row_scale(
-        mask, loss_type, t.max_completion_length, 1.0 if dapo else None, logps.dtype
-    )
-    low, high = grpo_math.clip_indicators(coef.detach(), adv, t.epsilon_low, t.epsilon_high)
+def logit_scale(config) -> float:
+    """The factor a model applies to its logits before the softmax, read as TRL's fused head
+    reads it (logit_scale, output_multiplier, lm_head_multiplier, 1 / logits_scaling); the
+    fused loss folds it into the temperature (τ / scale)."""
+    scale = getattr(config, "logit_scale", None)
+    for key in ("output_multiplier", "lm_head_multiplier"):
+        scale = getattr(config, key, None) if scale is None else scale
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scaling = config.logits_scaling
+        scale = scaling if config.model_type == "hyperclovax" else 1.0 / scaling
+    scale = 1.0 if scale is None else float(scale)
+    if not scale > 0.0:
+        raise NotImplementedError(f"logit_scale: a logit scale of {scale} is not supported")
+    return scale
 
-    def mean(x):
-        return x.mean() if x.shape[1] == 1 else grpo_math.masked_mean(x, mask)
 
-    kl = grpo_math.k3(ref, logps.detach(), mask) * coef.detach()
-    metrics = {
-        "kl": mean(kl),
-        "entropy": mean(entropy.detach()),
-        "clip_ratio/low_mean": mean(low),
-        "clip_ratio/high_mean": mean(high),
-        "clip_ratio/region_mean": mean(torch.maximum(low, high)),
-    }
-    return grpo_math.reduce(per_token, mask, scale), metrics
+def router_aux_loss(model, out, inputs, completion_mask) -> torch.Tensor:
+    """The MoE load-balancing loss of this forward, as TRL's fused head computes it (Mixtral's
+    load_balancing_loss_func over the router logits, masked by the attention mask)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = causal_lm(model).config.get_text_config()
+    attention = torch.cat([inputs["prompt_mask"], completion_mask], 1)
+    return load_balancing_loss_func(
+        out.router_logits, config.num_experts, config.num_experts_per_tok, attention
+    )

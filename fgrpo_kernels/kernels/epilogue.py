@@ -14,6 +14,7 @@ compiles each for sm_90 so that code the interpreter accepts but the compiler re
 from __future__ import annotations
 
 from ..divergences import TABLE, Divergence
+from ..options import Objective
 from .epilogue_common import num_warps
 from .epilogue_fgrpo import _fgrpo_epilogue_kernel, fgrpo
 from .epilogue_gift import _gift_epilogue_kernel, gift
@@ -33,6 +34,10 @@ _TYPES = {
     "inv_batch": "fp32",
     "clip_low": "fp32",
     "clip_high": "fp32",
+    "delta": "fp32",
+    "clip_c": "fp32",
+    "tau_pos": "fp32",
+    "tau_neg": "fp32",
 }
 # A long-row tile (one row, 4096 tokens) and a group tile (8 completions × 512 tokens).
 _ROW_TILE = {"BLOCK_G": 1, "BLOCK_T": 4096}
@@ -46,7 +51,7 @@ def _spec(name: str, fn, constexprs: dict, ref_dtype: str = "*fp32") -> dict:
     for arg in fn.arg_names:
         if arg in constexprs:
             signature[arg] = "constexpr"
-        elif arg in ("ref_ptr", "old_ptr"):
+        elif arg in ("ref_ptr", "old_ptr", "ratio_ptr"):
             signature[arg] = ref_dtype
         else:
             signature[arg] = _TYPES.get(arg, "*fp32")
@@ -67,9 +72,12 @@ def _fgrpo_spec(name, divergence, sequence, tile, **flags):
         "HAS_ADVANTAGES": True,
         "SCALE": 0,
         "HAS_IS_WEIGHTS": False,
+        "RATIO": 0,
         **tile,
     }
     constexprs.update(flags)
+    if not constexprs["RATIO"]:
+        constexprs["ratio_ptr"] = None
     if constexprs["HAS_ADVANTAGES"] and not constexprs["HAS_IS_WEIGHTS"]:
         constexprs["rewards_ptr"] = None
     if not constexprs["HAS_IS_WEIGHTS"]:
@@ -83,17 +91,17 @@ def _fgrpo_spec(name, divergence, sequence, tile, **flags):
     return _spec(name, _fgrpo_epilogue_kernel, constexprs)
 
 
-def _grpo_spec(name, sequence, has_old, has_kl, tile):
-    constexprs = {
-        "SEQUENCE_LEVEL": sequence,
-        "HAS_OLD": has_old,
-        "HAS_KL": has_kl,
-        **tile,
-    }
-    if not has_old:
-        constexprs["old_ptr"] = None
-    if not has_kl:
-        constexprs["ref_ptr"] = None
+_GRPO_FLAGS = ("HAS_OLD", "HAS_KL", "BIAS_CORRECTION", "HAS_ROW_WEIGHT", "HAS_TOKEN_WEIGHT")
+_GRPO_POINTERS = {"HAS_OLD": "old_ptr", "HAS_KL": "ref_ptr", "HAS_ROW_WEIGHT": "row_w_ptr",
+                  "HAS_TOKEN_WEIGHT": "tok_w_ptr"}  # fmt: skip
+
+
+def _grpo_spec(name, objective: Objective, sequence: bool, flags: set[str], tile):
+    constexprs = {"OBJECTIVE": int(objective), "SEQUENCE_LEVEL": sequence, **tile}
+    for flag in _GRPO_FLAGS:
+        constexprs[flag] = flag in flags
+        if flag in _GRPO_POINTERS and flag not in flags:
+            constexprs[_GRPO_POINTERS[flag]] = None
     return _spec(name, _grpo_epilogue_kernel, constexprs, "*bf16")
 
 
@@ -105,13 +113,17 @@ _FGRPO_VARIANTS = [
     ("rewards_none", False, _GROUP_TILE, {"HAS_ADVANTAGES": False, "SCALE": 2}),
     ("is_weights_token", False, _GROUP_TILE, {"HAS_IS_WEIGHTS": True, "ROW_MEAN": True}),
     ("is_weights_sequence", True, _GROUP_TILE, {"HAS_IS_WEIGHTS": True, "HAS_ADVANTAGES": False}),
+    ("ratio_token", False, _ROW_TILE, {"RATIO": 2}),
+    ("ratio_sequence", True, _ROW_TILE, {"RATIO": 1}),
 ]
-# (name, sequence level, HAS_OLD, HAS_KL) of the GRPO variants.
+# Every objective at token level plain and with every option on; the sequence level (clipped
+# family only) likewise, plus on-policy variants without old log-probs or KL.
+_EVERY = set(_GRPO_FLAGS)
 _GRPO_VARIANTS = [
-    ("token", False, True, True),
-    ("token_on_policy_no_kl", False, False, False),
-    ("sequence", True, True, True),
-    ("sequence_on_policy", True, False, True),
+    ("sequence", Objective.CLIPPED, True, {"HAS_OLD", "HAS_KL"}),
+    ("sequence_all", Objective.CLIPPED, True, _EVERY),
+    ("sequence_on_policy", Objective.CLIPPED, True, {"HAS_KL"}),
+    ("token_on_policy_no_kl", Objective.CLIPPED, False, set()),
 ]
 
 
@@ -123,8 +135,13 @@ def _aot_specs() -> list[dict]:
             specs.append(_fgrpo_spec(name, div, sequence, _ROW_TILE))
     for name, sequence, tile, flags in _FGRPO_VARIANTS:
         specs.append(_fgrpo_spec(f"fgrpo_{name}", Divergence.PEARSON, sequence, tile, **flags))
-    for name, *flags in _GRPO_VARIANTS:
-        specs.append(_grpo_spec(f"grpo_{name}", *flags, _ROW_TILE))
+    for objective in Objective:
+        label = objective.name.lower()
+        specs.append(_grpo_spec(f"grpo_{label}_token", objective, False, {"HAS_OLD", "HAS_KL"},
+                                _ROW_TILE))  # fmt: skip
+        specs.append(_grpo_spec(f"grpo_{label}_token_all", objective, False, _EVERY, _ROW_TILE))
+    for name, objective, sequence, flags in _GRPO_VARIANTS:
+        specs.append(_grpo_spec(f"grpo_{name}", objective, sequence, flags, _ROW_TILE))
     for detach in (False, True):
         constexprs = {"DETACH_STATS": detach, **_GROUP_TILE}
         specs.append(_spec(f"gift_detach_{str(detach).lower()}", _gift_epilogue_kernel, constexprs))

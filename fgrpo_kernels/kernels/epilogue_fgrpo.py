@@ -49,6 +49,7 @@ def _fgrpo_epilogue_kernel(
     old_ptr,
     norm_ptr,
     sigma_ptr,
+    ratio_ptr,
     dlogp_ptr,
     partial_ptr,
     B,
@@ -64,6 +65,7 @@ def _fgrpo_epilogue_kernel(
     HAS_ADVANTAGES: tl.constexpr,
     SCALE: tl.constexpr,
     HAS_IS_WEIGHTS: tl.constexpr,
+    RATIO: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -73,6 +75,7 @@ def _fgrpo_epilogue_kernel(
     #   sequence level: r_i = β·Σ_t m·(logp − ref), dL/dlogp[i,t] = w_i·β·m·φ'(r_i)
     # a_i given, or (R_i − μ_g)/(σ + eps) with σ per group / whole batch / none (SCALE 0/1/2);
     # IS_i = G·softmax_j(s_i·R_j − S_j)_i, S_j = Σ_t m·old (detached). ROW_MEAN: norm/max(L_i,1).
+    # RATIO 1 / 2: a rollout IS ratio ρ per row / per token multiplies each unit's cost.
     rows, row_ok, base = tl_rows(B, T, ROWS, BLOCK_G)
     NEED_SUMS: tl.constexpr = SEQUENCE_LEVEL or ROW_MEAN or HAS_IS_WEIGHTS
     seq = tl.zeros([BLOCK_G], dtype=tl.float64)
@@ -102,6 +105,8 @@ def _fgrpo_epilogue_kernel(
     if HAS_IS_WEIGHTS:
         is_w = tl_group_is_weights(rewards, seq_old, positive, row_ok, ROWS)
         weight = weight * is_w
+    if RATIO == 1:
+        weight = weight * tl.load(ratio_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     weight = tl.where(row_ok, weight, 0.0)
 
     if SEQUENCE_LEVEL:
@@ -117,6 +122,10 @@ def _fgrpo_epilogue_kernel(
             m = tl_load_mask(mask_ptr, offs, ok)
             diff = tl.where(m, tl_load(logp_ptr, offs, ok) - tl_load(ref_ptr, offs, ok), 0.0)
             value, slope = tl_phi(beta * diff, positive[:, None], PHI_POS, PHI_NEG)
+            if RATIO == 2:
+                rho = tl_load(ratio_ptr, offs, ok)
+                value *= rho
+                slope *= rho
             acc += tl.where(m, weight[:, None] * value, 0.0)
             tl.store(dlogp_ptr + offs, tl.where(m, weight[:, None] * beta * slope, 0.0), mask=ok)
         tl.store(partial_ptr + tl.program_id(0), tl.sum(tl.sum(acc, axis=1), axis=0))
@@ -130,12 +139,17 @@ def _norm(mask: torch.Tensor, B: int, opts: FGRPOOptions) -> torch.Tensor:
                          mask.device)  # fmt: skip
 
 
-def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOptions):
-    """f-GRPO epilogue: (loss 0-d fp32, dL/dlogps [B, T] fp32), the semantics of
-    `reference.fgrpo_loss`. logps [B, T] fp32; ref_logps [B, T] any float; mask [B, T] 0/1;
-    advantages [B] or None with rewards [B] (normalised per group inside); old_logps [B, T]
-    and rewards for opts.group_is_weights."""
+def fgrpo(
+    logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOptions, vllm_is_ratio=None
+):
+    """f-GRPO epilogue before the entropy bonus: (loss 0-d fp32, dL/dlogps [B, T] fp32), the
+    semantics of `reference.fgrpo`. logps [B, T] fp32; ref_logps [B, T] any float; mask [B, T]
+    0/1; advantages [B] or None with rewards [B] (normalised per group inside); old_logps
+    [B, T] and rewards for opts.group_is_weights; vllm_is_ratio [B, T] (token level), [B, 1]
+    or [B]."""
     B, T = logps.shape
+    ratio = None if vllm_is_ratio is None else vllm_is_ratio.float().contiguous()
+    per_token = ratio is not None and ratio.dim() == 2 and ratio.shape[1] != 1
     logps, ref_logps, mask = contiguous(logps), contiguous(ref_logps), contiguous(mask)
     grouped = advantages is None or opts.group_is_weights
     rows = opts.num_generations if grouped else row_block(B, T)
@@ -154,6 +168,7 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
         contiguous(old_logps) if opts.group_is_weights else None,
         _norm(mask, B, opts),
         sigma,
+        ratio,
         plan.dlogp,
         plan.partial,
         B,
@@ -168,6 +183,7 @@ def fgrpo(logps, ref_logps, mask, advantages, rewards, old_logps, opts: FGRPOOpt
         HAS_ADVANTAGES=advantages is not None,
         SCALE=int(opts.scale),
         HAS_IS_WEIGHTS=bool(opts.group_is_weights),
+        RATIO=0 if ratio is None else 2 if per_token else 1,
         **plan.meta,
     )
     return plan.result()
