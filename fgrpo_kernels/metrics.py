@@ -57,13 +57,14 @@ def _unit_mean(r, rows, mask):
 
 def _row_extreme(x, mask, extreme):
     """min or max over rows of each row's clipped fraction (at token level rows without tokens
-    are skipped; NaN when none is left): TRL's clip_ratio/low_min and /high_max, one process."""
+    are skipped; 0 when none is left, like every metric of an empty batch): TRL's
+    clip_ratio/low_min and /high_max, one process."""
     m = mask.to(x.dtype)
     length = m.sum(-1)
     per_row = (x * m).sum(-1) / length.clamp(min=1.0)
     # sequence level: one value per row, every row counted (as TRL)
     live = x[:, 0] if x.shape[1] == 1 else per_row[length > 0]
-    return extreme(live) if live.numel() else x.new_full((), float("nan"))
+    return extreme(live) if live.numel() else x.new_zeros(())
 
 
 def fgrpo(loss, logps, ref, mask, advantages, rewards, entropy, ratio, opts: FGRPOOptions):
