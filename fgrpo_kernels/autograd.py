@@ -143,10 +143,11 @@ class EpilogueFunction(torch.autograd.Function):
         return (grad * grad_loss, None, *rest)
 
 
-SPENT = (
-    "fgrpo_kernels: this single-pass loss was already backpropagated (its gradients are formed in "
-    "the forward and handed out once); to backpropagate through a loss more than once, build the "
-    "module with max_chunk_bytes=0 (the two-pass path)"
+SCALED = (
+    "fgrpo_kernels: a single-pass loss is backpropagated a second time after a backward whose "
+    "incoming gradient was not 1 (its stored gradients were scaled in place, to save a copy); "
+    "build the module with max_chunk_bytes=0 (the two-pass path) to backpropagate through it "
+    "several times"
 )
 
 
@@ -157,17 +158,19 @@ class SinglePassFunction(torch.autograd.Function):
     backward only scales them by the incoming gradient. logp and entropy are not
     differentiable (they feed the metrics).
 
-    NB: the gradients are handed out once, scaled in place, and not kept: autograd can then
-    take them as `.grad` without a copy. A second backward raises `SPENT`."""
+    NB: the gradients are saved tensors, which autograd releases as soon as this backward
+    returns (without retain_graph), so `.grad` takes them without a copy; an incoming gradient
+    other than 1 scales them in place. A second backward after that raises `SCALED`."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, sweep):
         needs = tuple(ctx.needs_input_grad[:3])
         loss, logp, entropy, *grads = sweep(hidden, weight, bias, needs)
-        ctx.grads = grads
         entropy = logp.new_zeros(0) if entropy is None else entropy
         ctx.mark_non_differentiable(logp, entropy)
-        ctx.save_for_backward(hidden, weight, bias)
+        # hidden, weight, bias are saved for `first_order_only`: the inputs stay reachable
+        ctx.save_for_backward(hidden, weight, bias, *grads)
+        ctx.scaled = False
         return loss, logp, entropy
 
     @staticmethod
@@ -175,9 +178,10 @@ class SinglePassFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
         if grad_loss is None:
             return None, None, None, None
-        if ctx.grads is None:
-            raise RuntimeError(SPENT)
-        grads, ctx.grads = ctx.grads, None
-        if grad_loss.device.type != "cpu" or bool(grad_loss != 1.0):
+        if ctx.scaled:
+            raise RuntimeError(SCALED)
+        grads = ctx.saved_tensors[3:]
+        if bool(grad_loss != 1.0):
+            ctx.scaled = True
             grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
         return (*grads, None)
