@@ -158,9 +158,10 @@ class SinglePassFunction(torch.autograd.Function):
     backward only scales them by the incoming gradient. logp and entropy are not
     differentiable (they feed the metrics).
 
-    NB: the gradients are saved tensors, which autograd releases as soon as this backward
-    returns (without retain_graph), so `.grad` takes them without a copy; an incoming gradient
-    other than 1 scales them in place. A second backward after that raises `SCALED`."""
+    NB: the gradients are saved tensors, which autograd releases as soon as the first backward
+    returns them (without retain_graph), so `.grad` takes them without a copy; an incoming
+    gradient other than 1 scales them in place. A later backward through a retained graph
+    returns copies, or raises `SCALED` after an in-place scaling."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, sweep):
@@ -170,7 +171,7 @@ class SinglePassFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(logp, entropy)
         # hidden, weight, bias are saved for `first_order_only`: the inputs stay reachable
         ctx.save_for_backward(hidden, weight, bias, *grads)
-        ctx.scaled = False
+        ctx.handed_out = ctx.scaled = False
         return loss, logp, entropy
 
     @staticmethod
@@ -181,6 +182,9 @@ class SinglePassFunction(torch.autograd.Function):
         if ctx.scaled:
             raise RuntimeError(SCALED)
         grads = ctx.saved_tensors[3:]
+        if ctx.handed_out:  # the first backward's results may be these very tensors
+            return (*(None if g is None else g * grad_loss.to(g.dtype) for g in grads), None)
+        ctx.handed_out = True
         if bool(grad_loss != 1.0):
             ctx.scaled = True
             grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]

@@ -46,6 +46,8 @@ class _FusedLinearLoss(torch.nn.Module):
         """(positions [N], hidden [N, H], targets [N]) of the unmasked tokens, row-major."""
         B, T, H = hidden.shape
         positions = mask.reshape(-1).bool().nonzero().squeeze(1)
+        if len(positions) == B * T:  # every token counts: a view, no copy (nor its gradient's)
+            return positions, hidden.reshape(B * T, H), ids.reshape(-1)
         rows = hidden.reshape(B * T, H).index_select(0, positions)
         return positions, rows, ids.reshape(-1).index_select(0, positions)
 
