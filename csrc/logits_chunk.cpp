@@ -83,16 +83,12 @@ std::tuple<Tensor, Tensor, Tensor> logits_fwd_cpu(
     const Tensor& hidden_in, const Tensor& weight_in, const Tensor& targets_in,
     const std::optional<Tensor>& bias, double temperature, int64_t ignore_index,
     bool return_entropy, const Tensor& logits) {
-  const Tensor hidden = as_f32(hidden_in);
-  const Tensor weight = weight_in.contiguous();
-  const Tensor targets = targets_in.contiguous();
-  const int64_t M = hidden.size(0), H = hidden.size(1), V = weight.size(0);
-  const float inv_t = static_cast<float>(1.0 / temperature);
-  const Tensor bias_t = bias.has_value() ? as_f32(*bias, inv_t) : Tensor();
-  const float* b = bias_t.defined() ? bias_t.const_data_ptr<float>() : nullptr;
-  const float* h = hidden.const_data_ptr<float>();
-  const int64_t* y = targets.const_data_ptr<int64_t>();
-  const bool convert_w = weight.scalar_type() != at::kFloat;
+  const Inputs in(hidden_in, weight_in, targets_in, bias, temperature);
+  const Tensor& weight = in.weight;
+  const int64_t M = in.N, H = in.H, V = in.V;
+  const float inv_t = in.inv_t, *b = in.b, *h = in.h;
+  const int64_t* y = in.y;
+  const bool convert_w = in.convert_w;
   float* z_all = logits.data_ptr<float>();
   const int64_t LD = buffer_cols(V);
 
@@ -146,33 +142,21 @@ void logits_bwd_cpu(const Tensor& logits, const Tensor& hidden_in, const Tensor&
                     const std::optional<Tensor>& dw, const std::optional<Tensor>& db,
                     bool accumulate) {
   const bool need_h = dh.has_value(), need_w = dw.has_value(), need_b = db.has_value();
-  const Tensor weight = weight_in.contiguous();
-  const Tensor targets = targets_in.contiguous();
-  const Tensor lse_t = as_f32(lse_in);
-  const int64_t M = hidden_in.size(0), H = hidden_in.size(1), V = weight.size(0);
+  const Inputs in(hidden_in, weight_in, targets_in, std::nullopt, temperature);
+  const Tensor& weight = in.weight;
+  const int64_t M = in.N, H = in.H, V = in.V;
   if (M == 0) {
     if (need_w && !accumulate) dw->zero_();
     if (need_b && !accumulate) db->zero_();
     return;
   }
-  const float inv_t = static_cast<float>(1.0 / temperature);
-  const int64_t* y = targets.const_data_ptr<int64_t>();
+  const int64_t* y = in.y;
+  const Tensor lse_t = as_f32(lse_in);
   const float* lse = lse_t.const_data_ptr<float>();
-  const bool with_ent = grad_entropy.has_value() && entropy.has_value();
-  const Tensor g_t = grad_logp.has_value() ? as_f32(*grad_logp) : Tensor();
-  const Tensor gh_t = with_ent ? as_f32(*grad_entropy) : Tensor();
-  const Tensor ent_t = with_ent ? as_f32(*entropy) : Tensor();
-  std::vector<RowCoef> coef(M);
-  bool any_ignored = false;
-  for (int64_t n = 0; n < M; ++n) {
-    const bool valid = y[n] != ignore_index;
-    any_ignored = any_ignored || !valid;
-    coef[n] = row_coef(valid, valid && g_t.defined() ? g_t.const_data_ptr<float>()[n] : 0.f,
-                       valid && with_ent ? gh_t.const_data_ptr<float>()[n] : 0.f,
-                       valid && with_ent ? ent_t.const_data_ptr<float>()[n] : 0.f, inv_t);
-  }
+  const std::vector<RowCoef> coef = row_coefs(in, ignore_index, grad_logp, grad_entropy, entropy);
+  const bool any_ignored = std::any_of(y, y + M, [&](int64_t t) { return t == ignore_index; });
   // dW's hidden operand: ignored rows set to 0, not multiplied by their 0 rows of dz (NaN·0).
-  Tensor hidden = as_f32(hidden_in);
+  Tensor hidden = in.hidden;
   if (need_w && any_ignored) {
     hidden = hidden.clone();
     float* hm = hidden.data_ptr<float>();
@@ -185,7 +169,7 @@ void logits_bwd_cpu(const Tensor& logits, const Tensor& hidden_in, const Tensor&
   float* z_all = logits.data_ptr<float>();
   const int64_t LD = buffer_cols(V);
   const int64_t sweeps = cdiv(V, SWEEP_V), lanes = std::min(LANES, sweeps);
-  const bool convert_w = weight.scalar_type() != at::kFloat;
+  const bool convert_w = in.convert_w;
   Tensor parts = scratch_f32(need_h ? (lanes - 1) * M * H : 0);
   Tensor w_buf = scratch_f32(convert_w ? lanes * SWEEP_V * H : 0);
   float* dhs = need_h ? dh->data_ptr<float>() : nullptr;

@@ -22,6 +22,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace fgrpo {
 
@@ -187,6 +188,26 @@ Tensor as_f32(const Tensor& t, double scale = 1.0);
 
 // A 64-byte aligned fp32 buffer of n floats (uninitialised).
 Tensor scratch_f32(int64_t n);
+
+// What every kernel reads of a call: hidden as fp32 (converted when bf16/fp16), the weight and
+// targets contiguous, the bias as fp32 already divided by τ (tiles.cpp).
+struct Inputs {
+  Inputs(const Tensor& hidden_in, const Tensor& weight_in, const Tensor& targets_in,
+         const std::optional<Tensor>& bias_in, double temperature);
+  Tensor hidden, weight, targets, bias;
+  int64_t N, H, V;
+  float inv_t;
+  const float* h;
+  const float* b;  // nullptr without a bias
+  const int64_t* y;
+  bool convert_w;  // the weight is bf16/fp16: its tiles are converted to fp32
+};
+
+// row_coef of every row from the optional per-row g, g_H and H (tiles.cpp).
+std::vector<RowCoef> row_coefs(const Inputs& in, int64_t ignore_index,
+                               const std::optional<Tensor>& grad_logp,
+                               const std::optional<Tensor>& grad_entropy,
+                               const std::optional<Tensor>& entropy);
 
 std::tuple<Tensor, Tensor, Tensor> logprob_fwd_cpu(
     const Tensor& hidden, const Tensor& weight, const Tensor& targets,

@@ -30,35 +30,20 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
     const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_entropy,
     double temperature, int64_t ignore_index, bool need_h, bool need_w, bool need_b) {
   need_b = need_b && bias.has_value();
-  const Tensor hidden = as_f32(hidden_in);
-  const Tensor weight = weight_in.contiguous();
-  const Tensor targets = targets_in.contiguous();
-  const Tensor lse_t = as_f32(lse_in);
-  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  const Inputs in(hidden_in, weight_in, targets_in, bias, temperature);
+  const Tensor& weight = in.weight;
+  const int64_t N = in.N, H = in.H, V = in.V;
   if (N == 0) {
     return {need_h ? at::zeros({N, H}, hidden_in.options()) : at::empty({0}, hidden_in.options()),
             need_w ? at::zeros({V, H}, weight.options()) : at::empty({0}, weight.options()),
             need_b ? at::zeros({V}, bias->options()) : at::empty({0}, at::kFloat)};
   }
-  const float inv_t = static_cast<float>(1.0 / temperature);
-  const Tensor bias_t = bias.has_value() ? as_f32(*bias, inv_t) : Tensor();
-  const float* b = bias_t.defined() ? bias_t.const_data_ptr<float>() : nullptr;
-  const float* h = hidden.const_data_ptr<float>();
-  const int64_t* y = targets.const_data_ptr<int64_t>();
+  const float inv_t = in.inv_t, *b = in.b, *h = in.h;
+  const int64_t* y = in.y;
+  const Tensor lse_t = as_f32(lse_in);
   const float* lse = lse_t.const_data_ptr<float>();
-
   // Per-row coefficients a, c of dz (0 on ignored rows), and g/τ for the target column.
-  const bool with_ent = grad_entropy.has_value() && entropy.has_value();
-  const Tensor g_t = grad_logp.has_value() ? as_f32(*grad_logp) : Tensor();
-  const Tensor gh_t = with_ent ? as_f32(*grad_entropy) : Tensor();
-  const Tensor ent_t = with_ent ? as_f32(*entropy) : Tensor();
-  std::vector<RowCoef> coef(N);
-  for (int64_t n = 0; n < N; ++n) {
-    const bool valid = y[n] != ignore_index;
-    coef[n] = row_coef(valid, valid && g_t.defined() ? g_t.const_data_ptr<float>()[n] : 0.f,
-                       valid && with_ent ? gh_t.const_data_ptr<float>()[n] : 0.f,
-                       valid && with_ent ? ent_t.const_data_ptr<float>()[n] : 0.f, inv_t);
-  }
+  const std::vector<RowCoef> coef = row_coefs(in, ignore_index, grad_logp, grad_entropy, entropy);
 
   // Ignored rows with a NaN or inf in their hidden state (see the note at the top).
   std::vector<char> poisoned(need_w ? N : 0, 0);
@@ -68,7 +53,7 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
     for (int64_t k = 0; k < H && !poisoned[n]; ++k) poisoned[n] = !std::isfinite(row[k]);
   }
 
-  const bool convert_w = weight.scalar_type() != at::kFloat;
+  const bool convert_w = in.convert_w;
   const bool direct_dh = hidden_in.scalar_type() == at::kFloat;
   const bool direct_dw = weight.scalar_type() == at::kFloat;
   Tensor dh = need_h ? at::zeros({N, H}, at::kFloat) : at::empty({0}, hidden_in.options());

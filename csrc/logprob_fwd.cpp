@@ -14,16 +14,12 @@ std::tuple<Tensor, Tensor, Tensor> logprob_fwd_cpu(
     const Tensor& hidden_in, const Tensor& weight_in, const Tensor& targets_in,
     const std::optional<Tensor>& bias, double temperature, int64_t ignore_index,
     bool return_entropy) {
-  const Tensor hidden = as_f32(hidden_in);
-  const Tensor weight = weight_in.contiguous();
-  const Tensor targets = targets_in.contiguous();
-  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
-  const float inv_t = static_cast<float>(1.0 / temperature);
-  const Tensor bias_t = bias.has_value() ? as_f32(*bias, inv_t) : Tensor();
-  const float* b = bias_t.defined() ? bias_t.const_data_ptr<float>() : nullptr;
-  const float* h = hidden.const_data_ptr<float>();
-  const int64_t* y = targets.const_data_ptr<int64_t>();
-  const bool convert_w = weight.scalar_type() != at::kFloat;
+  const Inputs in(hidden_in, weight_in, targets_in, bias, temperature);
+  const Tensor& weight = in.weight;
+  const int64_t N = in.N, H = in.H, V = in.V;
+  const float inv_t = in.inv_t, *b = in.b, *h = in.h;
+  const int64_t* y = in.y;
+  const bool convert_w = in.convert_w;
 
   Tensor logp = at::empty({N}, at::kFloat), lse = at::empty({N}, at::kFloat);
   Tensor entropy = at::empty({return_entropy ? N : 0}, at::kFloat);

@@ -53,7 +53,7 @@ class RowConfig:
     num_warps: int
 
 
-ROW_CONFIG = RowConfig(4, 1024, 8)
+ROW_CONFIG = RowConfig(1, 2048, 8)  # one row per program: 40 registers at most, no spills
 ROW_INTERPRET = RowConfig(4, 64, 1)
 
 # Forward: at least MIN_SPLITS vocab splits, more while the grid has < TARGET_PROGRAMS_PER_SM

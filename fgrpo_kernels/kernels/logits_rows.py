@@ -117,20 +117,9 @@ def _logits_grad_kernel(
     v0 = tl_block_start(pid % n_vtiles, BLOCK_V)
     rows = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_V)
-    mask_n = rows < (M - n0).to(tl.int32)
-    y = tl.load(y_ptr + n0 + rows, mask=mask_n, other=ignore_index)
-    g = tl.load(g_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + n0 + rows, mask=mask_n, other=0.0)
     z, ok = tl_row_tile(x_ptr, b_ptr, n0, v0, M, V, stride_x, inv_t, HAS_BIAS, BLOCK_N, BLOCK_V)
-    hit = cols[None, :] == tl_local_index(y, v0, BLOCK_V)[:, None]
-    g_ent = g
-    ent = g
-    if HAS_GRAD_ENTROPY:
-        g_ent = tl.load(g_ent_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
-        ent = tl.load(ent_ptr + n0 + rows, mask=mask_n, other=0.0)
-    dz = tl_dlogits(z - lse[:, None], hit, g, g_ent, ent, HAS_GRAD_ENTROPY)
-    valid = (y != ignore_index)[:, None]
-    dz = tl.where(valid, dz * (inv_t * tl.load(scale_ptr)), 0.0)
+    dz = tl_dlogits(z, n0, v0, M, y_ptr, lse_ptr, g_ptr, ent_ptr, g_ent_ptr, scale_ptr, inv_t,
+                    ignore_index, HAS_GRAD_ENTROPY, BLOCK_N, BLOCK_V)  # fmt: skip
     dz_ptrs = dz_ptr + n0 * stride_dz + v0 + (rows[:, None] * stride_dz + cols[None, :])
     tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=ok)
 

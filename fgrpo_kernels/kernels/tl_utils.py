@@ -99,13 +99,28 @@ def tl_online_fold(z, hit, m, s, t, z_y, HAS_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def tl_dlogits(u, hit, g, g_ent, ent, HAS_GRAD_ENTROPY: tl.constexpr):
-    """τ·dlogits of Σ g·logp + Σ g_H·H on a tile, u = z − lse [BLOCK_N, BLOCK_V]:
-    g·(onehot − p) − g_H·p·(u + H), p = e^u (docs/math.md §1, Backward).
+def tl_dlogits(z, n0, v0, N, y_ptr, lse_ptr, g_ptr, ent_ptr, g_ent_ptr, scale_ptr, inv_t,
+               ignore_index, HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_V: tl.constexpr):  # fmt: skip
+    """dlogits of Σ g·logp + Σ g_H·H on the logits tile z of rows n0 + i (of N; per-row inputs
+    at the pointers) and vocab v0 + j, times the power of two *scale_ptr:
+    (g·(onehot − p) − g_H·p·(z − lse + H))/τ, p = e^(z − lse) (docs/math.md §1, Backward).
+    Rows whose target is ignore_index (and rows past N) are exactly 0, even where z is not
+    finite (tl.where, not a product with 0).
 
     NB: the target's g·(1 − p_y) as −g·expm1(u_y): a near-certain target keeps its precision."""
+    rows = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_V)
+    mask_n = rows < (N - n0).to(tl.int32)
+    y = tl.load(y_ptr + n0 + rows, mask=mask_n, other=ignore_index)
+    g = tl.load(g_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
+    u = z - tl.load(lse_ptr + n0 + rows, mask=mask_n, other=0.0)[:, None]
     p = tl.exp(u)
+    hit = cols[None, :] == tl_local_index(y, v0, BLOCK_V)[:, None]
     dz = -g[:, None] * tl.where(hit, tl_expm1(u), p)
     if HAS_GRAD_ENTROPY:
+        g_ent = tl.load(g_ent_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
+        ent = tl.load(ent_ptr + n0 + rows, mask=mask_n, other=0.0)
         dz -= g_ent[:, None] * p * tl.where(p > 0.0, u + ent[:, None], 0.0)  # u = −inf: p = 0
-    return dz
+    valid = mask_n & (y != ignore_index)
+    return tl.where(valid[:, None], dz * (inv_t * tl.load(scale_ptr)), 0.0)
