@@ -110,18 +110,8 @@ std::tuple<Tensor, Tensor, Tensor> logits_fwd_cpu(
       const float* w = rows_f32(weight, v0, cols, w_scratch);
       float* z = z_all + n0 * LD + v0;
       gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w, H, 0.f, z, LD);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* zr = z + r * LD;
-        if (b != nullptr) {
-          for (int64_t j = 0; j < cols; ++j) zr[j] += b[v0 + j];
-        }
-        const int64_t local = y[n0 + r] - v0;
-        const bool hit = local >= 0 && local < cols;
-        if (hit) state[r].z_y = zr[local];
-        const float m_t = online_update(zr, cols, return_entropy, state[r], true);
-        if (hit) zr[local] = state[r].z_y;
-        z_all[(n0 + r) * LD + V + v0 / BLOCK_V] = m_t;
-      }
+      fold_tile(z, LD, rows, cols, v0, b, y + n0, return_entropy, state,
+                z_all + n0 * LD + V + v0 / BLOCK_V, LD);
     }
   });
   float* out_ent = return_entropy ? entropy.data_ptr<float>() : nullptr;

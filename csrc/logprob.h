@@ -93,6 +93,28 @@ inline float online_update(float* z, int64_t cols, bool with_entropy, RowState& 
   return m_ref;
 }
 
+// Folds the logits tile z [rows, cols] (row stride ld, vocab entries v0 + j; the bias b, already
+// divided by τ, not yet added) into the rows' online states, noting each target's logit (y: the
+// rows' targets). With `m_ref` the tile is left as e^(z − m_t) (the target's entry keeps z_y)
+// and each row's m_t is written to m_ref[r * m_ld].
+inline void fold_tile(float* z, int64_t ld, int64_t rows, int64_t cols, int64_t v0,
+                      const float* b, const int64_t* y, bool with_entropy, RowState* state,
+                      float* m_ref = nullptr, int64_t m_ld = 0) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* zr = z + r * ld;
+    if (b != nullptr) {
+      for (int64_t j = 0; j < cols; ++j) zr[j] += b[v0 + j];
+    }
+    const int64_t local = y[r] - v0;
+    const bool hit = local >= 0 && local < cols;
+    if (hit) state[r].z_y = zr[local];
+    const float m_t = online_update(zr, cols, with_entropy, state[r], m_ref != nullptr);
+    if (m_ref == nullptr) continue;
+    if (hit) zr[local] = state[r].z_y;
+    m_ref[r * m_ld] = m_t;
+  }
+}
+
 // lse, logp and entropy of a finished row (logp and entropy 0 where the target is ignored).
 inline void finish_row(const RowState& st, bool valid, float* lse, float* logp, float* ent) {
   const float log_s = std::log(st.s);

@@ -42,15 +42,7 @@ std::tuple<Tensor, Tensor, Tensor> logprob_fwd_cpu(
       const int64_t cols = std::min(BLOCK_V, V - v0);
       const float* w = rows_f32(weight, v0, cols, w_scratch);
       gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w, H, 0.f, z, BLOCK_V);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* zr = z + r * BLOCK_V;
-        if (b != nullptr) {
-          for (int64_t j = 0; j < cols; ++j) zr[j] += b[v0 + j];
-        }
-        const int64_t local = y[n0 + r] - v0;
-        if (local >= 0 && local < cols) state[r].z_y = zr[local];
-        online_update(zr, cols, return_entropy, state[r]);
-      }
+      fold_tile(z, BLOCK_V, rows, cols, v0, b, y + n0, return_entropy, state);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = n0 + r;
