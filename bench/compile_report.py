@@ -3,13 +3,15 @@
     python bench/compile_report.py [--arch 90|80|all] [--quick] [--csv PATH]
 
 Compiles every autotune candidate of `fgrpo_kernels.kernels.configs.CANDIDATES` for its dtype
-variants (with and without bias, entropy on and off), and every loss-epilogue configuration of
-`fgrpo_kernels.kernels.epilogue.AOT_SPECS`, with `triton.compile(ASTSource(...),
-target=GPUTarget(...))`, then runs `ptxas -v` (ptxas-blackwell, -arch=sm_90a / sm_80) on the
-PTX. Needs no GPU, but real JITFunctions: TRITON_INTERPRET is forced to 0 before the kernels
-are imported. --quick: every candidate of the bf16 key with bias and entropy (the variant with
-the most live registers), one configuration per epilogue kernel. Exit 1 if a row has no
-register count or a log-prob kernel spills on sm_90a.
+variants (with and without bias, entropy on and off), the single pass's row kernels
+(`kernels.logits_rows`, `configs.ROW_CONFIG`) for fp32, bf16 and fp16 with and without bias
+and entropy, and every loss-epilogue configuration of `fgrpo_kernels.kernels.epilogue.AOT_SPECS`,
+with `triton.compile(ASTSource(...), target=GPUTarget(...))`, then runs `ptxas -v`
+(ptxas-blackwell, -arch=sm_90a / sm_80) on the PTX. Needs no GPU, but real JITFunctions:
+TRITON_INTERPRET is forced to 0 before the kernels are imported. --quick: every candidate of
+the bf16 key with bias and entropy (the variant with the most live registers), every row
+kernel variant (seconds), one configuration per epilogue kernel. Exit 1 if a row has no
+register count or a log-prob or row kernel spills on sm_90a.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fgrpo_kernels.kernels import configs  # noqa: E402
 from fgrpo_kernels.kernels.epilogue import AOT_SPECS  # noqa: E402
+from fgrpo_kernels.kernels.logits_rows import (  # noqa: E402
+    _logits_grad_kernel,
+    _logits_stats_kernel,
+)
 from fgrpo_kernels.kernels.logprob_bwd import _logprob_bwd_kernel  # noqa: E402
 from fgrpo_kernels.kernels.logprob_fwd import _logprob_fwd_kernel  # noqa: E402
 
@@ -187,9 +193,66 @@ def epilogue_rows(arch_key: str, quick: bool) -> list[dict]:
     return rows
 
 
+ROW_DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # name -> bias and dlogits dtype
+
+
+def row_kernel_signature(fn, dtype: str, bias: bool, entropy: bool):
+    """(signature, constexprs) of a single-pass row kernel as `logits_rows` launches it: the
+    buffer fp32, bias and the dlogits in the operand dtype (fp32: the buffer itself)."""
+    cfg = configs.ROW_CONFIG
+    sig, const = {}, {"BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v}
+    flag = "HAS_ENTROPY" if fn is _logits_stats_kernel else "HAS_GRAD_ENTROPY"
+    const |= {"HAS_BIAS": bias, flag: entropy}
+    for arg in fn.arg_names:
+        if arg in const:
+            sig[arg] = "constexpr"
+        elif arg == "b_ptr":
+            sig[arg] = f"*{dtype}" if bias else "constexpr"
+            const |= {} if bias else {"b_ptr": None}
+        elif arg in ("ent_ptr", "g_ent_ptr") and not entropy:
+            sig[arg], const[arg] = "constexpr", None
+        elif arg == "y_ptr":
+            sig[arg] = "*i64"
+        elif arg == "dz_ptr":
+            sig[arg] = f"*{dtype}"
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*fp32"
+        else:
+            sig[arg] = "fp32" if arg == "inv_t" else "i32"
+    return sig, const
+
+
+def row_kernel_rows(arch_key: str) -> list[dict]:
+    """The single pass's row kernels for each operand dtype, bias and entropy."""
+    arch, cc = ARCHS[arch_key]
+    rows = []
+    for fn in (_logits_stats_kernel, _logits_grad_kernel):
+        for name, dtype in ROW_DTYPES.items():
+            for bias in (True, False):
+                for entropy in (True, False):
+                    sig, const = row_kernel_signature(fn, dtype, bias, entropy)
+                    src = ASTSource(fn=fn, signature=sig, constexprs=const)
+                    options = {"num_warps": configs.ROW_CONFIG.num_warps}
+                    compiled = triton.compile(
+                        src, target=GPUTarget("cuda", cc, 32), options=options
+                    )
+                    row = {
+                        "kernel": fn.__name__, "arch": arch, "dtype": name, "bias": int(bias),
+                        "entropy": int(entropy),
+                        "tile": f"{configs.ROW_CONFIG.block_n}x{configs.ROW_CONFIG.block_v}",
+                        "warps": configs.ROW_CONFIG.num_warps,
+                        "stages": compiled.metadata.num_stages,
+                    }  # fmt: skip
+                    row |= ptxas_stats(compiled.asm["ptx"], arch)
+                    row["smem"] = compiled.metadata.shared
+                    rows.append(row)
+    return rows
+
+
 def spills_on_hopper(row: dict) -> bool:
-    """A log-prob kernel that spills on sm_90a (the epilogues' few bytes are tolerated)."""
-    return "logprob" in row["kernel"] and row["arch"] == "sm_90a" and row["spill_st"] != 0
+    """A log-prob or row kernel that spills on sm_90a (the epilogues' few bytes are tolerated)."""
+    heavy = "logprob" in row["kernel"] or "logits" in row["kernel"]
+    return heavy and row["arch"] == "sm_90a" and row["spill_st"] != 0
 
 
 COLUMNS = ("kernel", "arch", "dtype", "bias", "entropy", "tile", "warps", "stages", "regs",
@@ -207,6 +270,7 @@ def main(argv=None) -> int:
         return 2
     archs = ("90", "80") if args.arch == "all" else (args.arch,)
     rows = [compile_case(c, a) for a in archs for c in cases(args.quick)]
+    rows += [r for a in archs for r in row_kernel_rows(a)]
     rows += [r for a in archs for r in epilogue_rows(a, args.quick)]
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))

@@ -8,11 +8,13 @@ fallback product); correctness against float64 (`bench/gpu_correctness.py`: the 
 N 4096 × H 4096 × V 151936 bf16 batch with entropy, τ 0.7 and ignored rows; fp16 with
 g ≈ 1e-5; V·H and N·H past 2^31; N 1; all rows ignored; a non-contiguous 3-D input; fp32, TF32,
 fp16, bf16 + fp32 weight, a frozen weight, several tiles in both loop orders, every bf16
-autotune candidate, bitwise determinism; tolerances tied to each dtype's rounding floor); then
-timing (`bench/gpu_timing.py`): a plain cuBLAS bf16 GEMM of the shape (the practical ceiling),
-ours (autotuned), eager PyTorch, Liger-Kernel, Cut Cross-Entropy if it imports, torch.compile
-if time remains; forward and backward timed separately, peak memory, and the ratio to the
-8·N·H·V FLOP floor at the measured GEMM rate.
+autotune candidate, bitwise determinism, the single-pass GRPO loss in bf16 / fp32 / fp16 over
+several chunks; tolerances tied to each dtype's rounding floor); then timing
+(`bench/gpu_timing.py`): a plain cuBLAS bf16 GEMM of the shape (the practical ceiling), ours
+(autotuned), eager PyTorch, Liger-Kernel, Cut Cross-Entropy if it imports, the GRPO loss on the
+single pass, the two-pass path and Liger's chunked GRPO loss, torch.compile if time remains;
+forward and backward timed separately, peak memory, and the ratio to the 8·N·H·V FLOP floor
+(6·N·H·V for the losses) at the measured GEMM rate.
 
 Each case runs in its own try/except (a row says what failed); a CUDA error that poisons the
 context skips the remaining GPU work; the deadline (--budget-s, checked between cases, a

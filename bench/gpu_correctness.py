@@ -2,10 +2,15 @@
 
 Every case is a `Problem` (shapes, dtypes, options) and a check returning rows of
 (quantity, rel_err, floor, tol, ok). The reference runs on the same rounded inputs, upcast.
-Tolerances: fp32 outputs (log-probs, entropy) 1e-5 relative and 1e-4 absolute per token; a
-bf16/fp16 gradient 4×/2× its floor (the exact gradient rounded to that dtype; measured under
-the interpreter at H 4096: 2.4× for bf16, 1.0× for fp16); fp32 gradients 1e-5, or 1e-2 behind
-a bf16 dlogits strip; TF32 1e-2.
+Tolerances: fp32 outputs (log-probs, entropy, a loss) 1e-5 relative and 1e-4 absolute per
+token; a bf16/fp16 gradient 4×/2× its floor (the exact gradient rounded to that dtype; measured
+under the interpreter at H 4096: 2.4× for bf16, 1.0× for fp16); fp32 gradients 1e-5, or 1e-2
+behind a bf16 dlogits strip; TF32 1e-2.
+
+The `single_pass_*` cases run the fused GRPO loss (dapo, β 0.04, an entropy bonus so that
+dL/dentropy reaches the row kernel) on the single pass — cuBLAS logits into the bounded buffer,
+the row kernels, cuBLAS dh/dW — in several chunks (`chunk_rows`), against the float64 loss on
+materialised logits, and check that the single pass ran.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Problem:
     batch: int = 0  # > 0: hidden [batch, N // batch, H], a strided (non-contiguous) view
     rows: int = 0  # > 0: compare only the first and last `rows` rows (N·H past 2^31)
     forced: dict = field(default_factory=dict)
+    chunk_rows: int = 0  # single pass: rows per chunk (0: the default budget)
 
     def base(self, name: str) -> dict:
         wdt = self.wdtype or self.dtype
@@ -99,7 +105,7 @@ def tolerance(p: Problem, quantity: str, dtype: torch.dtype, floor: float) -> fl
     if quantity == "logp_max_abs":
         return 1e-4
     if dtype == F32:
-        return 1e-5 if quantity in ("logp", "entropy") or p.dtype == F32 else 1e-2
+        return 1e-5 if quantity in ("logp", "entropy", "loss") or p.dtype == F32 else 1e-2
     return (4.0 if dtype == BF16 else 2.0) * floor
 
 
@@ -154,6 +160,58 @@ def as_multiplied(weight, dtype: torch.dtype, dev):
     return weight.to(dtype)
 
 
+def grpo_single_pass(p: Problem, hidden, weight, bias, targets, max_chunk_bytes):
+    """(outputs, module) of the fused GRPO loss fwd+bwd on hidden [N, H] as B = 8 rows (mask:
+    the non-ignored targets); float64 inputs run the reference on materialised logits."""
+    B = 8
+    T = p.N // B
+    dev = hidden.device
+    g = torch.Generator(device=dev).manual_seed(5)
+    mask = targets.reshape(B, T) != -100
+    ids = torch.where(mask, targets.reshape(B, T), 0)
+    ref = -4.0 * torch.rand(B, T, generator=g, device=dev)
+    old = ref + 0.3 * torch.randn(B, T, generator=g, device=dev)
+    adv = torch.linspace(-1.0, 1.0, B, device=dev)
+    opts = {"loss_type": "dapo", "beta": 0.04, "entropy_coef": 0.01}
+    leaves = [
+        None if t is None else t.detach().requires_grad_(True) for t in (hidden, weight, bias)
+    ]
+    h = leaves[0].reshape(B, T, p.H)
+    if hidden.dtype == torch.float64:
+        logp, ent = reference.logprobs(h, leaves[1], ids, leaves[2], p.tau, return_entropy=True)
+        loss = reference.grpo_loss(logp, old, ref, adv, mask, entropy=ent, **opts)
+        module = None
+    else:
+        module = fgrpo_kernels.FusedLinearGRPOLoss(
+            temperature=p.tau, max_chunk_bytes=max_chunk_bytes, **opts
+        )
+        loss, _ = module(h, leaves[1], ids, mask, adv, leaves[2], ref_per_token_logps=ref,
+                         old_per_token_logps=old)  # fmt: skip
+    loss.backward()
+    got = {"loss": loss.detach()}
+    for name, t in zip(("d_hidden", "d_weight", "d_bias"), leaves, strict=True):
+        if t is not None:
+            got[name] = t.grad
+    return got, module
+
+
+def single_pass(p: Problem, dev) -> list[dict]:
+    hidden, weight, bias, targets, _ = make_inputs(p, dev)
+    if p.chunk_rows:
+        from fgrpo_kernels.kernels import bytes_per_row
+
+        budget = p.chunk_rows * bytes_per_row(hidden, p.V)
+    else:
+        budget = None
+    got, module = grpo_single_pass(p, hidden, weight, bias, targets, budget)
+    ref = [hidden.double(), as_multiplied(weight, hidden.dtype, dev).double(),
+           None if bias is None else bias.double()]  # fmt: skip
+    want, _ = grpo_single_pass(p, *ref, targets, None)
+    ran = module.last_pass == "single"
+    return compare(p, got, want) + [{"quantity": "single_pass_ran", "rel_err": float(not ran),
+                                     "floor": 0.0, "tol": 0.0, "ok": int(ran)}]  # fmt: skip
+
+
 def determinism(p: Problem, dev) -> list[dict]:
     x = make_inputs(p, dev, seed=3)
     runs = [forward_backward(p, *x) for _ in range(2)]
@@ -191,4 +249,12 @@ def cases(tiny: bool) -> dict:
         out[name] = P(*mid, bias=True, tau=0.9, forced={"config": c})
     checks = {name: (p, check) for name, p in out.items()}
     checks["determinism"] = (P(*mid, bias=True, tau=0.9), determinism)
+    # the single pass: the realistic batch in the default ~1 GiB buffer (4 chunks of 1178 rows),
+    # fp32 (in-place dlogits) and fp16 (scaled dlogits) in several small chunks
+    mid8 = (40 if tiny else 336, *mid[1:])
+    checks["single_pass_bf16"] = (P(*big, tau=0.7, chunk_rows=7 if tiny else 0), single_pass)
+    checks["single_pass_fp32"] = (P(*mid8, F32, bias=True, chunk_rows=13 if tiny else 97),
+                                  single_pass)  # fmt: skip
+    checks["single_pass_fp16"] = (P(*mid8, F16, tau=1.3, chunk_rows=13 if tiny else 97),
+                                  single_pass)  # fmt: skip
     return checks

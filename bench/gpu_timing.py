@@ -1,10 +1,14 @@
 """Timing half of bench/gpu_check.py: the implementations it times and how.
 
 Each implementation is `make(hidden, weight, targets) -> step`, where `step()` runs one forward
-(returning the per-token log-probs, with grad) and `measure` runs the backward of Σ g·logp,
-timing forward and backward separately with CUDA events (wall clock on a CPU) and reading the
-peak memory beyond the inputs. `timing_plan` orders the rows by priority; `time_row` measures
-one, with the FLOP floor at the GEMM rate `gemm_ceiling` measured for the same N.
+(returning the per-token log-probs, with grad, or a loss) and `measure` runs the backward of
+Σ g·logp (or of the loss), timing forward and backward separately with CUDA events (wall clock
+on a CPU) and reading the peak memory beyond the inputs. The GRPO loss rows (dapo, β 0.04,
+B = 8 completions) compare the single pass (gradients formed in the forward, ~1 GiB logits
+buffer) with the two-pass path (max_chunk_bytes=0) and Liger's chunked GRPO loss; their floor is
+6·N·H·V, the FLOPs of a loss whose dL/dlogp is known in the forward. `timing_plan` orders the
+rows by priority; `time_row` measures one, with the FLOP floor at the GEMM rate `gemm_ceiling`
+measured for the same N.
 """
 
 from __future__ import annotations
@@ -59,15 +63,46 @@ def cut_cross_entropy(hidden, weight, targets):
     return lambda: -linear_cross_entropy(hidden, weight, targets, reduction="none")
 
 
+def _grpo_batch(hidden, targets):
+    B = 8 if len(hidden) % 8 == 0 else 1
+    dev = hidden.device
+    g = torch.Generator(device=dev).manual_seed(13)
+    T = len(hidden) // B
+    ref = -4.0 * torch.rand(B, T, generator=g, device=dev)
+    adv = torch.linspace(-1.0, 1.0, B, device=dev)
+    return hidden.view(B, T, -1), targets.view(B, T), torch.ones(B, T, device=dev), adv, ref
+
+
+def grpo(max_chunk_bytes):
+    def make(hidden, weight, targets):
+        module = fgrpo_kernels.FusedLinearGRPOLoss("dapo", 0.04, max_chunk_bytes=max_chunk_bytes)
+        h, ids, mask, adv, ref = _grpo_batch(hidden, targets)
+        return lambda: module(h, weight, ids, mask, adv, ref_per_token_logps=ref)[0]
+
+    return make
+
+
+def liger_grpo(hidden, weight, targets):
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    module = LigerFusedLinearGRPOLoss(beta=0.04, loss_type="dapo")
+    h, ids, mask, adv, ref = _grpo_batch(hidden, targets)
+    return lambda: module(h, weight, ids, mask, adv, ref_per_token_logps=ref)[0]
+
+
 IMPLS = {
     "ours": ours,
+    "ours_grpo_single": grpo(None),
+    "ours_grpo_two_pass": grpo(0),
+    "liger_grpo": liger_grpo,
     "eager": eager,
     "liger": liger,
     "cut_cross_entropy": cut_cross_entropy,
     "torch_compile": compiled,
 }
-NEEDS_CUDA = ("liger", "cut_cross_entropy")
-IMPORTS = {"liger": "liger_kernel", "cut_cross_entropy": "cut_cross_entropy"}
+NEEDS_CUDA = ("liger", "liger_grpo", "cut_cross_entropy")
+IMPORTS = {"liger": "liger_kernel", "liger_grpo": "liger_kernel",
+           "cut_cross_entropy": "cut_cross_entropy"}  # fmt: skip
 
 
 def _clock(dev: torch.device):
@@ -104,7 +139,7 @@ def measure(step, leaves, g_up, dev, iters: int, backward: bool) -> dict:
         if not backward:
             return fwd, 0.0
         t1 = start()
-        (logp.float() * g_up).sum().backward()
+        (logp if logp.dim() == 0 else (logp.float() * g_up).sum()).backward()
         return fwd, stop(t1)
 
     t0 = time.perf_counter()
@@ -154,7 +189,8 @@ def tuned_configs() -> str:
 
 # (pass, FLOPs as a multiple of N·H·V, grads of (hidden, weight))
 PASSES = {"fwd+bwd": (8, (True, True)), "fwd+bwd frozen_w": (6, (True, False)),
-          "fwd no_grad": (2, None)}  # fmt: skip
+          "fwd no_grad": (2, None), "loss fwd+bwd": (6, (True, True))}  # fmt: skip
+LOSS_IMPLS = ("ours_grpo_single", "ours_grpo_two_pass", "liger_grpo")
 
 
 def timing_plan(tiny: bool) -> list[tuple[str, str, int]]:
@@ -164,10 +200,12 @@ def timing_plan(tiny: bool) -> list[tuple[str, str, int]]:
     plan += [
         (impl, "fwd+bwd", sizes[0]) for impl in ("ours", "eager", "liger", "cut_cross_entropy")
     ]
+    plan += [(impl, "loss fwd+bwd", sizes[0]) for impl in LOSS_IMPLS]
     plan += [("ours", "fwd+bwd frozen_w", sizes[0]), ("ours", "fwd no_grad", sizes[0])]
     for n in sizes[1:]:
         plan += [("gemm_ceiling", "gemm", n), ("ours", "fwd+bwd", n)]
         plan += [(impl, "fwd+bwd", n) for impl in ("liger", "cut_cross_entropy", "eager")]
+        plan += [(impl, "loss fwd+bwd", n) for impl in LOSS_IMPLS[:2]]
     plan += [("torch_compile", "fwd+bwd", sizes[0])]
     return plan
 
@@ -199,7 +237,7 @@ def time_row(impl: str, pass_: str, N: int, H: int, V: int, dev, iters: int, rat
     if N in rates:
         row["floor_ms"] = factor * N * H * V / rates[N] * 1e3
         row["ratio_to_floor"] = total / row["floor_ms"]
-    if impl == "ours":
+    if impl.startswith("ours"):
         row["config"] = tuned_configs()
     return [row]
 

@@ -23,26 +23,6 @@
 #include <vector>
 
 namespace fgrpo {
-namespace {
-
-// dz of one tile row in place: z (tile row, bias not yet added) → dz.
-inline void row_grad(float* zr, const float* b, int64_t cols, float lse, float a, float c) {
-  constexpr int64_t W = Vec::size();
-  const int64_t vec_end = cols - cols % W;
-  const Vec vl(lse), va(a), vc(c), vfloor(EXP_ZERO_BELOW);
-  for (int64_t j = 0; j < vec_end; j += W) {
-    Vec z = Vec::loadu(zr + j);
-    if (b != nullptr) z = z + Vec::loadu(b + j);
-    const Vec u = z - vl;
-    (u.exp() * at::vec::fmadd(vc, at::vec::maximum(u, vfloor), va)).store(zr + j);
-  }
-  for (int64_t j = vec_end; j < cols; ++j) {
-    const float u = zr[j] + (b != nullptr ? b[j] : 0.f) - lse;
-    zr[j] = std::exp(u) * (a + c * std::max(u, EXP_ZERO_BELOW));
-  }
-}
-
-}  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
     const Tensor& hidden_in, const Tensor& weight_in, const Tensor& targets_in,
@@ -50,41 +30,20 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
     const std::optional<Tensor>& grad_logp, const std::optional<Tensor>& grad_entropy,
     double temperature, int64_t ignore_index, bool need_h, bool need_w, bool need_b) {
   need_b = need_b && bias.has_value();
-  const Tensor hidden = as_f32(hidden_in);
-  const Tensor weight = weight_in.contiguous();
-  const Tensor targets = targets_in.contiguous();
-  const Tensor lse_t = as_f32(lse_in);
-  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  const Inputs in(hidden_in, weight_in, targets_in, bias, temperature);
+  const Tensor& weight = in.weight;
+  const int64_t N = in.N, H = in.H, V = in.V;
   if (N == 0) {
     return {need_h ? at::zeros({N, H}, hidden_in.options()) : at::empty({0}, hidden_in.options()),
             need_w ? at::zeros({V, H}, weight.options()) : at::empty({0}, weight.options()),
             need_b ? at::zeros({V}, bias->options()) : at::empty({0}, at::kFloat)};
   }
-  const float inv_t = static_cast<float>(1.0 / temperature);
-  const Tensor bias_t = bias.has_value() ? as_f32(*bias, inv_t) : Tensor();
-  const float* b = bias_t.defined() ? bias_t.const_data_ptr<float>() : nullptr;
-  const float* h = hidden.const_data_ptr<float>();
-  const int64_t* y = targets.const_data_ptr<int64_t>();
+  const float inv_t = in.inv_t, *b = in.b, *h = in.h;
+  const int64_t* y = in.y;
+  const Tensor lse_t = as_f32(lse_in);
   const float* lse = lse_t.const_data_ptr<float>();
-
   // Per-row coefficients a, c of dz (0 on ignored rows), and g/τ for the target column.
-  const bool with_ent = grad_entropy.has_value() && entropy.has_value();
-  const Tensor g_t = grad_logp.has_value() ? as_f32(*grad_logp) : Tensor();
-  const Tensor gh_t = with_ent ? as_f32(*grad_entropy) : Tensor();
-  const Tensor ent_t = with_ent ? as_f32(*entropy) : Tensor();
-  Tensor coef = at::empty({3, N}, at::kFloat);
-  float* ca = coef.data_ptr<float>();
-  float* cc = ca + N;
-  float* cy = ca + 2 * N;
-  for (int64_t n = 0; n < N; ++n) {
-    const bool valid = y[n] != ignore_index;
-    const float g = valid && g_t.defined() ? g_t.const_data_ptr<float>()[n] : 0.f;
-    const float gh = valid && with_ent ? gh_t.const_data_ptr<float>()[n] : 0.f;
-    const float ent = valid && with_ent ? ent_t.const_data_ptr<float>()[n] : 0.f;
-    ca[n] = -(g + gh * ent) * inv_t;
-    cc[n] = -gh * inv_t;
-    cy[n] = g * inv_t;
-  }
+  const std::vector<RowCoef> coef = row_coefs(in, ignore_index, grad_logp, grad_entropy, entropy);
 
   // Ignored rows with a NaN or inf in their hidden state (see the note at the top).
   std::vector<char> poisoned(need_w ? N : 0, 0);
@@ -94,7 +53,7 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
     for (int64_t k = 0; k < H && !poisoned[n]; ++k) poisoned[n] = !std::isfinite(row[k]);
   }
 
-  const bool convert_w = weight.scalar_type() != at::kFloat;
+  const bool convert_w = in.convert_w;
   const bool direct_dh = hidden_in.scalar_type() == at::kFloat;
   const bool direct_dw = weight.scalar_type() == at::kFloat;
   Tensor dh = need_h ? at::zeros({N, H}, at::kFloat) : at::empty({0}, hidden_in.options());
@@ -124,22 +83,10 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
         // NB: one sgemm over the whole sweep width: wide tiles run sgemm ~15% faster here.
         gemm_nt(rows, scols, H, inv_t, h + n0 * H, H, w, H, 0.f, dz, SUPER_V);
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t n = n0 + r;
-          float* zr = dz + r * SUPER_V;
-          if (ca[n] == 0.f && cc[n] == 0.f && cy[n] == 0.f) {
-            std::memset(zr, 0, sizeof(float) * scols);
-            continue;
-          }
-          const int64_t local = y[n] - s0;
+          const int64_t n = n0 + r, local = y[n] - s0;
           const bool hit = local >= 0 && local < scols && y[n] != ignore_index;
-          const float u_y = hit ? zr[local] + (b != nullptr ? b[s0 + local] : 0.f) - lse[n] : 0.f;
-          row_grad(zr, b == nullptr ? nullptr : b + s0, scols, lse[n], ca[n], cc[n]);
-          // NB: the target's g·(1 − p_y)/τ as −(g/τ)·expm1(u_y): a near-certain target keeps
-          // its precision (1 − p_y would cancel).
-          if (hit) {
-            const float u_lin = std::max(u_y, EXP_ZERO_BELOW);
-            zr[local] = -cy[n] * std::expm1(u_y) + std::exp(u_y) * (ca[n] + cy[n] + cc[n] * u_lin);
-          }
+          dlogits_row(dz + r * SUPER_V, b == nullptr ? nullptr : b + s0, scols, hit ? local : -1,
+                      lse[n], coef[n]);
         }
         if (need_h) gemm_nn(rows, H, scols, 1.f, dz, SUPER_V, w, H, 1.f, dhs + n0 * H, H);
       });

@@ -8,71 +8,18 @@
 
 #include <ATen/ops/empty.h>
 
-#include <cmath>
-#include <limits>
-
 namespace fgrpo {
-namespace {
-
-struct RowState {
-  float m = -std::numeric_limits<float>::infinity();
-  float s = 0.f;
-  float t = 0.f;
-  float z_y = 0.f;
-};
-
-// Folds one tile row z[0, cols) into the running (m, s, t) of its row.
-inline void online_update(const float* z, int64_t cols, bool with_entropy, RowState& st) {
-  constexpr int64_t W = Vec::size();
-  const int64_t vec_end = cols - cols % W;
-  Vec vmax(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < vec_end; j += W) vmax = at::vec::maximum(vmax, Vec::loadu(z + j));
-  float tile_max = vmax.reduce_max();
-  for (int64_t j = vec_end; j < cols; ++j) tile_max = std::max(tile_max, z[j]);
-  const float m_new = std::max(st.m, tile_max);
-  // NB: a tile of banned tokens (−inf) leaves m at −inf: shift by 0 (s, t stay 0), not −inf.
-  const float m_ref = m_new == -std::numeric_limits<float>::infinity() ? 0.f : m_new;
-  const Vec vm(m_ref), vfloor(EXP_ZERO_BELOW);
-  Vec vs(0.f), vt(0.f);
-  for (int64_t j = 0; j < vec_end; j += W) {
-    const Vec u = Vec::loadu(z + j) - vm;
-    const Vec e = u.exp();
-    vs = vs + e;
-    if (with_entropy) vt = at::vec::fmadd(e, at::vec::maximum(u, vfloor), vt);
-  }
-  float s_tile = vs.reduce_add(), t_tile = vt.reduce_add();
-  for (int64_t j = vec_end; j < cols; ++j) {
-    const float u = z[j] - m_ref, e = std::exp(u);
-    s_tile += e;
-    t_tile += e * std::max(u, EXP_ZERO_BELOW);
-  }
-  if (st.m == -std::numeric_limits<float>::infinity()) {
-    st.s = s_tile;
-    st.t = t_tile;
-  } else {
-    const float shift = st.m - m_new, scale = std::exp(shift);
-    st.t = scale * (st.t + shift * st.s) + t_tile;
-    st.s = scale * st.s + s_tile;
-  }
-  st.m = m_new;
-}
-
-}  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> logprob_fwd_cpu(
     const Tensor& hidden_in, const Tensor& weight_in, const Tensor& targets_in,
     const std::optional<Tensor>& bias, double temperature, int64_t ignore_index,
     bool return_entropy) {
-  const Tensor hidden = as_f32(hidden_in);
-  const Tensor weight = weight_in.contiguous();
-  const Tensor targets = targets_in.contiguous();
-  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
-  const float inv_t = static_cast<float>(1.0 / temperature);
-  const Tensor bias_t = bias.has_value() ? as_f32(*bias, inv_t) : Tensor();
-  const float* b = bias_t.defined() ? bias_t.const_data_ptr<float>() : nullptr;
-  const float* h = hidden.const_data_ptr<float>();
-  const int64_t* y = targets.const_data_ptr<int64_t>();
-  const bool convert_w = weight.scalar_type() != at::kFloat;
+  const Inputs in(hidden_in, weight_in, targets_in, bias, temperature);
+  const Tensor& weight = in.weight;
+  const int64_t N = in.N, H = in.H, V = in.V;
+  const float inv_t = in.inv_t, *b = in.b, *h = in.h;
+  const int64_t* y = in.y;
+  const bool convert_w = in.convert_w;
 
   Tensor logp = at::empty({N}, at::kFloat), lse = at::empty({N}, at::kFloat);
   Tensor entropy = at::empty({return_entropy ? N : 0}, at::kFloat);
@@ -95,23 +42,12 @@ std::tuple<Tensor, Tensor, Tensor> logprob_fwd_cpu(
       const int64_t cols = std::min(BLOCK_V, V - v0);
       const float* w = rows_f32(weight, v0, cols, w_scratch);
       gemm_nt(rows, cols, H, inv_t, h + n0 * H, H, w, H, 0.f, z, BLOCK_V);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* zr = z + r * BLOCK_V;
-        if (b != nullptr) {
-          for (int64_t j = 0; j < cols; ++j) zr[j] += b[v0 + j];
-        }
-        const int64_t local = y[n0 + r] - v0;
-        if (local >= 0 && local < cols) state[r].z_y = zr[local];
-        online_update(zr, cols, return_entropy, state[r]);
-      }
+      fold_tile(z, BLOCK_V, rows, cols, v0, b, y + n0, return_entropy, state);
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = n0 + r;
-      const bool valid = y[n] != ignore_index;
-      const float log_s = std::log(state[r].s);
-      out_lse[n] = state[r].m + log_s;
-      out_logp[n] = valid ? state[r].z_y - out_lse[n] : 0.f;
-      if (out_ent != nullptr) out_ent[n] = valid ? log_s - state[r].t / state[r].s : 0.f;
+      finish_row(state[r], y[n] != ignore_index, out_lse + n, out_logp + n,
+                 out_ent != nullptr ? out_ent + n : nullptr);
     }
   });
   return {logp, lse, entropy};

@@ -1,5 +1,6 @@
-// The custom ops torch.ops.fgrpo.logprob_fwd / logprob_bwd (CPU kernels; the fake kernels that
-// torch.compile traces live in fgrpo_kernels/cpu/cpp.py). Checks here guard direct callers
+// The custom ops torch.ops.fgrpo.logprob_fwd / logprob_bwd and the single pass's logits_fwd /
+// logits_bwd (CPU kernels; the fake kernels that torch.compile traces live in
+// fgrpo_kernels/cpu/cpp.py). Checks here guard direct callers
 // (ValueError / TypeError naming the argument); the public function validates its arguments
 // before reaching them.
 #include <ATen/ATen.h>
@@ -97,6 +98,45 @@ std::tuple<Tensor, Tensor, Tensor> bwd(
                          temperature, ignore_index, need_hidden, need_weight, need_bias);
 }
 
+void check_f32(const char* name, const Tensor& t, at::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(t.sizes() == shape, name, ": expected shape ", shape, "; got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat && t.is_contiguous(), name,
+                   ": expected a contiguous fp32 tensor; got ", t.scalar_type());
+}
+
+std::tuple<Tensor, Tensor, Tensor> chunk_fwd(const Tensor& hidden, const Tensor& weight,
+                                             const Tensor& targets,
+                                             const std::optional<Tensor>& bias,
+                                             double temperature, int64_t ignore_index,
+                                             bool return_entropy, const Tensor& logits) {
+  check_inputs(hidden, weight, targets, bias, temperature, ignore_index, 0, -1);
+  check_f32("logits", logits, {hidden.size(0), buffer_cols(weight.size(0))});
+  return logits_fwd_cpu(hidden, weight, targets, bias, temperature, ignore_index, return_entropy,
+                        logits);
+}
+
+void chunk_bwd(const Tensor& logits, const Tensor& hidden, const Tensor& weight,
+               const Tensor& targets, const std::optional<Tensor>& bias, const Tensor& lse,
+               const std::optional<Tensor>& entropy, const std::optional<Tensor>& grad_logp,
+               const std::optional<Tensor>& grad_entropy, double temperature,
+               int64_t ignore_index, const std::optional<Tensor>& dh,
+               const std::optional<Tensor>& dw, const std::optional<Tensor>& db,
+               bool accumulate) {
+  check_inputs(hidden, weight, targets, bias, temperature, ignore_index, 0, -1);
+  const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
+  check_f32("logits", logits, {N, buffer_cols(V)});
+  TORCH_CHECK_VALUE(lse.numel() == N, "lse: expected ", N, " values; got ", lse.numel());
+  for (const auto* t : {&entropy, &grad_logp, &grad_entropy}) {
+    TORCH_CHECK_VALUE(!t->has_value() || (*t)->numel() == N,
+                      "entropy, grad_logp, grad_entropy: expected ", N, " values each");
+  }
+  if (dh.has_value()) check_f32("dh", *dh, {N, H});
+  if (dw.has_value()) check_f32("dw", *dw, {V, H});
+  if (db.has_value()) check_f32("db", *db, {V});
+  logits_bwd_cpu(logits, hidden, weight, targets, lse, entropy, grad_logp, grad_entropy,
+                 temperature, ignore_index, dh, dw, db, accumulate);
+}
+
 }  // namespace
 }  // namespace fgrpo
 
@@ -110,9 +150,19 @@ TORCH_LIBRARY(fgrpo, m) {
       "Tensor? entropy, Tensor? grad_logp, Tensor? grad_entropy, float temperature, "
       "int ignore_index, bool need_hidden, bool need_weight, bool need_bias, "
       "int vocab_start=0, int vocab_total=-1) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "logits_fwd(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, "
+      "float temperature, int ignore_index, bool return_entropy, Tensor(a!) logits) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "logits_bwd(Tensor(a!) logits, Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, "
+      "Tensor lse, Tensor? entropy, Tensor? grad_logp, Tensor? grad_entropy, float temperature, "
+      "int ignore_index, Tensor(b!)? dh, Tensor(c!)? dw, Tensor(d!)? db, bool accumulate) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fgrpo, CPU, m) {
   m.impl("logprob_fwd", &fgrpo::fwd);
   m.impl("logprob_bwd", &fgrpo::bwd);
+  m.impl("logits_fwd", &fgrpo::chunk_fwd);
+  m.impl("logits_bwd", &fgrpo::chunk_bwd);
 }

@@ -82,4 +82,38 @@ Tensor as_f32(const Tensor& t, double scale) {
 
 Tensor scratch_f32(int64_t n) { return at::empty({std::max<int64_t>(n, 1)}, at::kFloat); }
 
+Inputs::Inputs(const Tensor& hidden_in, const Tensor& weight_in, const Tensor& targets_in,
+               const std::optional<Tensor>& bias_in, double temperature)
+    : hidden(as_f32(hidden_in)),
+      weight(weight_in.contiguous()),
+      targets(targets_in.contiguous()),
+      N(hidden.size(0)),
+      H(hidden.size(1)),
+      V(weight.size(0)),
+      inv_t(static_cast<float>(1.0 / temperature)) {
+  if (bias_in.has_value()) bias = as_f32(*bias_in, inv_t);
+  h = hidden.const_data_ptr<float>();
+  b = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  y = targets.const_data_ptr<int64_t>();
+  convert_w = weight.scalar_type() != at::kFloat;
+}
+
+std::vector<RowCoef> row_coefs(const Inputs& in, int64_t ignore_index,
+                               const std::optional<Tensor>& grad_logp,
+                               const std::optional<Tensor>& grad_entropy,
+                               const std::optional<Tensor>& entropy) {
+  const bool with_ent = grad_entropy.has_value() && entropy.has_value();
+  const Tensor g_t = grad_logp.has_value() ? as_f32(*grad_logp) : Tensor();
+  const Tensor gh_t = with_ent ? as_f32(*grad_entropy) : Tensor();
+  const Tensor ent_t = with_ent ? as_f32(*entropy) : Tensor();
+  std::vector<RowCoef> coef(in.N);
+  for (int64_t n = 0; n < in.N; ++n) {
+    const bool valid = in.y[n] != ignore_index;
+    coef[n] = row_coef(valid, valid && g_t.defined() ? g_t.const_data_ptr<float>()[n] : 0.f,
+                       valid && with_ent ? gh_t.const_data_ptr<float>()[n] : 0.f,
+                       valid && with_ent ? ent_t.const_data_ptr<float>()[n] : 0.f, in.inv_t);
+  }
+  return coef;
+}
+
 }  // namespace fgrpo

@@ -157,3 +157,51 @@ class EpilogueFunction(torch.autograd.Function):
         if ctx.has_arg_grad and ctx.needs_input_grad[2]:
             rest[0] = arg_grad[0] * grad_loss
         return (grad * grad_loss, None, *rest)
+
+
+SCALED = (
+    "fgrpo_kernels: a single-pass loss is backpropagated a second time after a backward whose "
+    "incoming gradient was not 1 (its stored gradients were scaled in place, to save a copy); "
+    "build the module with max_chunk_bytes=0 (the two-pass path) to backpropagate through it "
+    "several times"
+)
+
+
+class SinglePassFunction(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], bias [V] | None) → (loss, logp [N], entropy [N]) of a fused
+    loss whose forward sweep also forms d loss/d(hidden, weight, bias) (`sweep(hidden, weight,
+    bias, needs) -> (loss, logp, entropy, dh, dw, db)`, see `fgrpo_kernels.single_pass`);
+    backward only scales them by the incoming gradient. logp and entropy are not
+    differentiable (they feed the metrics).
+
+    NB: the gradients are saved tensors, which autograd releases as soon as the first backward
+    returns them (without retain_graph), so `.grad` takes them without a copy; an incoming
+    gradient other than 1 scales them in place. A later backward through a retained graph
+    returns copies, or raises `SCALED` after an in-place scaling."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, sweep):
+        needs = tuple(ctx.needs_input_grad[:3])
+        loss, logp, entropy, *grads = sweep(hidden, weight, bias, needs)
+        entropy = logp.new_zeros(0) if entropy is None else entropy
+        ctx.mark_non_differentiable(logp, entropy)
+        # hidden, weight, bias are saved for `first_order_only`: the inputs stay reachable
+        ctx.save_for_backward(hidden, weight, bias, *grads)
+        ctx.handed_out = ctx.scaled = False
+        return loss, logp, entropy
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad_loss, _grad_logp, _grad_entropy):
+        if grad_loss is None:
+            return None, None, None, None
+        if ctx.scaled:
+            raise RuntimeError(SCALED)
+        grads = ctx.saved_tensors[3:]
+        if ctx.handed_out:  # the first backward's results may be these very tensors
+            return (*(None if g is None else g * grad_loss.to(g.dtype) for g in grads), None)
+        ctx.handed_out = True
+        if bool(grad_loss != 1.0):
+            ctx.scaled = True
+            grads = [None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads]
+        return (*grads, None)

@@ -120,16 +120,21 @@ def gift(logps, ref_logps, mask, rewards, opts: GIFTOptions):
     return _with_grad(reference.gift, logps, ref_logps, mask, rewards, opts)
 
 
-def fdo(logps, ref_logps, mask, chosen, opts: FDOOptions):
-    """FDO: (loss, dL/dlogps); on the Triton path it is sequence-level f-GRPO with advantages
-    +1/n_chosen and −1/n_rejected and reduction "sum"."""
-    kernels = _triton(logps.device)
-    if kernels is None:
-        return _with_grad(reference.fdo, logps, ref_logps, mask, chosen, opts)
+def fdo_as_fgrpo(chosen, opts: FDOOptions) -> tuple[torch.Tensor, FGRPOOptions]:
+    """FDO as sequence-level f-GRPO with reduction "sum": (advantages +1/n_chosen on chosen rows,
+    −1/n_rejected on rejected ones, the f-GRPO options)."""
     n_chosen = chosen.sum()
     dtype = torch.float32
     adv = torch.where(
         chosen, 1.0 / n_chosen.to(dtype), -1.0 / (chosen.numel() - n_chosen).to(dtype)
     )
-    seq = FGRPOOptions(opts.divergence, opts.beta, Level.SEQUENCE, Reduction.SUM)
+    return adv, FGRPOOptions(opts.divergence, opts.beta, Level.SEQUENCE, Reduction.SUM)
+
+
+def fdo(logps, ref_logps, mask, chosen, opts: FDOOptions):
+    """FDO: (loss, dL/dlogps); on the Triton path it is sequence-level f-GRPO (`fdo_as_fgrpo`)."""
+    kernels = _triton(logps.device)
+    if kernels is None:
+        return _with_grad(reference.fdo, logps, ref_logps, mask, chosen, opts)
+    adv, seq = fdo_as_fgrpo(chosen, opts)
     return _no_tokens_zero(kernels.fgrpo(logps, ref_logps, mask, adv, None, None, seq), mask)

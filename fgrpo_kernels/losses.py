@@ -19,20 +19,32 @@ from __future__ import annotations
 
 import torch
 
-from . import distributed, epilogue, grpo_math, metrics, reference
+from . import distributed, epilogue, grpo_math, metrics, reference, single_pass
 from . import validation as check
 from .autograd import EpilogueFunction
 from .distributed import VocabParallel
 from .logprobs import fused_linear_logprobs
-from .options import FGRPOOptions, GIFTOptions, GRPOOptions, Level, Reduction
+from .options import FGRPOOptions, GIFTOptions, GRPOOptions, Level, LogProbOptions, Reduction
+
+# Why a module takes the two-pass path (docs/math.md §5, "Single pass").
+RETURNED_ENTROPY = (
+    "return_entropy=True: the entropy is returned with its gradient, whose upstream is not known "
+    "in the forward"
+)
+ENTROPY_MASK = (
+    "top_entropy_quantile < 1: the entropy mask's threshold is a quantile of the whole batch's "
+    "entropies"
+)
+VOCAB_PARALLEL = "vocab_parallel: a chunk's log-sum-exp needs every rank's shard of the vocabulary"
 
 
 class _FusedLinearLoss(torch.nn.Module):
-    """Shared plumbing: options, the policy log-probs, the optional in-call reference pass."""
+    """Shared plumbing: options, the policy log-probs, the optional in-call reference pass, and
+    the choice between the single pass and the two-pass path (`last_pass` says which ran)."""
 
     def __init__(
         self, temperature=1.0, compute_entropy=False, fast_fp32=False, vocab_parallel=None,
-        process_group=None,
+        process_group=None, max_chunk_bytes=None,
     ):  # fmt: skip
         super().__init__()
         self.temperature = check.temperature(temperature)
@@ -44,6 +56,8 @@ class _FusedLinearLoss(torch.nn.Module):
             )
         self.vocab_parallel = vocab_parallel
         self.process_group = process_group
+        self.max_chunk_bytes = check.byte_count("max_chunk_bytes", max_chunk_bytes)
+        self.last_pass = None
 
     def _head(self, weight, bias):
         """The lm_head as plain tensors: a DTensor (FSDP2) weight or bias gathered once."""
@@ -78,16 +92,27 @@ class _FusedLinearLoss(torch.nn.Module):
         mean over ranks is then the whole batch's loss."""
         return loss * (world * float(local) / max(float(total), 1.0))
 
+    def _tokens(self, hidden, ids, mask):
+        """(positions [N], hidden [N, H], targets [N]) of the unmasked tokens, row-major."""
+        B, T, H = hidden.shape
+        positions = mask.reshape(-1).bool().nonzero().squeeze(1)
+        if len(positions) == B * T:  # every token counts: a view, no copy (nor its gradient's)
+            return positions, hidden.reshape(B * T, H), ids.reshape(-1)
+        rows = hidden.reshape(B * T, H).index_select(0, positions)
+        return positions, rows, ids.reshape(-1).index_select(0, positions)
+
+    def _lp_opts(self) -> LogProbOptions:
+        return LogProbOptions(self.temperature, -100, self.fast_fp32)
+
     def _logps(self, hidden, weight, ids, mask, bias, entropy=False):
         """Per-token log-probs [B, T] and, with `entropy`, entropies [B, T] (both 0 where masked,
         both differentiable); only unmasked rows reach the kernel."""
         B, T, H = hidden.shape
-        keep = mask.reshape(-1).bool()
-        rows = keep.nonzero().squeeze(1)
+        positions, rows, targets = self._tokens(hidden, ids, mask)
         out = fused_linear_logprobs(
-            hidden.reshape(B * T, H).index_select(0, rows),
+            rows,
             weight,
-            ids.reshape(-1).index_select(0, rows),
+            targets,
             bias,
             self.temperature,
             return_entropy=entropy,
@@ -97,9 +122,36 @@ class _FusedLinearLoss(torch.nn.Module):
         logp, ent = out if entropy else (out, None)
 
         def scatter(x):
-            return x.new_zeros(B * T).index_copy(0, rows, x).reshape(B, T)
+            return x.new_zeros(B * T).index_copy(0, positions, x).reshape(B, T)
 
         return scatter(logp), None if ent is None else scatter(ent)
+
+    def _single_pass(self, hidden, weight, ids, mask, bias, chunked, entropy=False):
+        """(loss, logps [B, T], entropy [B, T] | None) by the single pass (`chunked()` builds
+        the loss's `single_pass.ChunkedLoss`, or says why it cannot), or None when the
+        two-pass path must run; `last_pass` records the choice and its reason."""
+        wants_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, weight, bias)
+        )
+        if not wants_grad:
+            self.last_pass = "two-pass: no gradient is wanted (a forward alone is one pass)"
+            return None
+        if self.vocab_parallel is not None:
+            self.last_pass = f"two-pass: {VOCAB_PARALLEL}"
+            return None
+        max_bytes = single_pass.chunk_bytes(self.max_chunk_bytes, hidden.device)
+        loss = chunked() if max_bytes else None
+        lengths = mask.bool().sum(-1).tolist()
+        how = single_pass.plan(hidden, weight, lengths, loss, max_bytes)
+        if isinstance(how, str):
+            self.last_pass = f"two-pass: {how}"
+            return None
+        positions, rows, targets = self._tokens(hidden, ids, mask)
+        check.logprob_inputs(rows, weight, targets, bias, self.temperature, -100)
+        self.last_pass = "single"
+        bias = None if bias is None else bias.contiguous()
+        return single_pass.run(*how, rows, weight.contiguous(), targets, bias, self._lp_opts(),
+                               positions, mask, loss, entropy)  # fmt: skip
 
     def _given_or_computed(self, name, given, hidden, weight, bias, ids, mask, B, T):
         """Per-token log-probs passed in, or computed forward-only from (hidden, weight, bias)
@@ -149,8 +201,11 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
         entropy_coef=0.0,
         vocab_parallel=None,
         process_group=None,
+        max_chunk_bytes=None,
     ):
-        super().__init__(temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
+        super().__init__(
+            temperature, compute_entropy, fast_fp32, vocab_parallel, process_group, max_chunk_bytes
+        )
         self.opts = FGRPOOptions.parse(
             divergence, beta, level, reduction, num_generations, scale_rewards, eps, unbiased,
             group_is_weights, entropy_coef=entropy_coef, scale_arg="scale_rewards",
@@ -216,19 +271,29 @@ class FusedLinearFGRPOLoss(_FusedLinearLoss):
             raise ValueError(
                 "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
             )
-        need_entropy = self.compute_entropy or return_entropy or opts.entropy_coef != 0.0
-        logps, ent = self._logps(
-            hidden, weight, completion_ids, completion_mask, bias, need_entropy
-        )
-        old = None
-        if opts.group_is_weights:
-            old = logps.detach() if old_per_token_logps is None else old_per_token_logps
         adv = None if advantages is None else advantages.detach().float()
         rw = None if rewards is None else rewards.detach().float()
+        given_old = None if old_per_token_logps is None else old_per_token_logps.detach()
         ratio = None if vllm_is_ratio is None else vllm_is_ratio.detach()
-        loss = EpilogueFunction.apply(
-            logps, epilogue.fgrpo, ent, ref, completion_mask, adv, rw, old, ratio, opts
-        )
+        need_entropy = self.compute_entropy or return_entropy or opts.entropy_coef != 0.0
+        args = (hidden, weight, completion_ids, completion_mask, bias)
+
+        def chunked():
+            if return_entropy:
+                return RETURNED_ENTROPY
+            return single_pass.fgrpo(ref, completion_mask, adv, rw, given_old, ratio, opts)
+
+        out = self._single_pass(*args, chunked, need_entropy)
+        if out is None:
+            logps, ent = self._logps(*args, need_entropy)
+            old = None
+            if opts.group_is_weights:
+                old = logps.detach() if given_old is None else given_old
+            loss = EpilogueFunction.apply(
+                logps, epilogue.fgrpo, ent, ref, completion_mask, adv, rw, old, ratio, opts
+            )
+        else:
+            loss, logps, ent = out
         m = metrics.fgrpo(loss, logps, ref, completion_mask, adv, rw, ent, ratio, opts)
         if dp is not None:
             if opts.reduction == Reduction.TOKEN_MEAN:
@@ -287,9 +352,12 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
         *,
         vocab_parallel=None,
         process_group=None,
+        max_chunk_bytes=None,
         **options,
     ):
-        super().__init__(temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
+        super().__init__(
+            temperature, compute_entropy, fast_fp32, vocab_parallel, process_group, max_chunk_bytes
+        )
         self.use_ref_model = bool(use_ref_model)
         self.opts = GRPOOptions.parse(
             loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
@@ -352,32 +420,52 @@ class FusedLinearGRPOLoss(_FusedLinearLoss):
                     "ref_per_token_logps: expected [B, T] reference log-probs (or "
                     "ref_input) when beta != 0; got None"
                 )
-        need_entropy = self.compute_entropy or return_entropy or opts.needs_entropy
-        logps, ent = self._logps(
-            hidden, weight, completion_ids, completion_mask, bias, need_entropy
-        )
         old = None if old_per_token_logps is None else old_per_token_logps.detach()
         sampling = None if sampling_per_token_logps is None else sampling_per_token_logps.detach()
         ratio = None if vllm_is_ratio is None else vllm_is_ratio.detach()
         adv = advantages.detach().float()
-        threshold = self.entropy_threshold(ent, completion_mask) if opts.entropy_mask else None
-        detached = ent.detach() if need_entropy else None
-        counts, dp = {}, self._data_parallel()
-        if dp is not None:  # the whole data-parallel batch's B, Σ mask and bonus tokens
-            bonus = 0.0
-            if opts.entropy_coef != 0.0:
-                bonus = grpo_math.bonus_mask(completion_mask, opts, detached, threshold).sum()
-            total = distributed.global_sum([B, float(completion_mask.sum()), float(bonus)], dp[0])
-            counts = {"batch": int(total[0]), "tokens": float(total[1])}
-            if opts.entropy_coef != 0.0:
-                counts["bonus_count"] = float(total[2])
-        norms = grpo_math.normalisers(
-            completion_mask, opts, num_items_in_batch, detached, threshold, **counts
-        )
-        loss = EpilogueFunction.apply(
-            logps, epilogue.grpo, ent, old, ref, completion_mask, adv, ratio, sampling, norms,
-            opts,
-        )  # fmt: skip
+        need_entropy = self.compute_entropy or return_entropy or opts.needs_entropy
+        dp = self._data_parallel()
+
+        def norms_of(detached, threshold):
+            counts = {}
+            if dp is not None:  # the whole data-parallel batch's B, Σ mask and bonus tokens
+                bonus = 0.0
+                if opts.entropy_coef != 0.0:
+                    bonus = grpo_math.bonus_mask(completion_mask, opts, detached, threshold).sum()
+                total = distributed.global_sum(
+                    [B, float(completion_mask.sum()), float(bonus)], dp[0]
+                )
+                counts = {"batch": int(total[0]), "tokens": float(total[1])}
+                if opts.entropy_coef != 0.0:
+                    counts["bonus_count"] = float(total[2])
+            return grpo_math.normalisers(
+                completion_mask, opts, num_items_in_batch, detached, threshold, **counts
+            )
+
+        # Without the entropy mask the normalisers need no entropy: one set (and, data-parallel,
+        # one collective) whichever path runs on this rank.
+        norms = None if opts.entropy_mask else norms_of(None, None)
+        args = (hidden, weight, completion_ids, completion_mask, bias)
+
+        def chunked():
+            if return_entropy:
+                return RETURNED_ENTROPY
+            if opts.entropy_mask:
+                return ENTROPY_MASK
+            return single_pass.grpo(old, ref, completion_mask, adv, ratio, sampling, norms, opts)
+
+        out = self._single_pass(*args, chunked, need_entropy)
+        if out is None:
+            logps, ent = self._logps(*args, need_entropy)
+            if opts.entropy_mask:  # its threshold is a quantile of the batch's entropies
+                norms = norms_of(ent.detach(), self.entropy_threshold(ent, completion_mask))
+            loss = EpilogueFunction.apply(
+                logps, epilogue.grpo, ent, old, ref, completion_mask, adv, ratio, sampling, norms,
+                opts,
+            )  # fmt: skip
+        else:
+            loss, logps, ent = out
         m = metrics.grpo(loss, logps, ent, old, ref, completion_mask, adv, ratio, norms, opts)
         if dp is not None:
             loss = loss * dp[1]
@@ -405,8 +493,11 @@ class FusedLinearGIFTLoss(_FusedLinearLoss):
         *,
         vocab_parallel=None,
         process_group=None,
+        max_chunk_bytes=None,
     ):
-        super().__init__(temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
+        super().__init__(
+            temperature, compute_entropy, fast_fp32, vocab_parallel, process_group, max_chunk_bytes
+        )
         self.opts = GIFTOptions.parse(num_generations, beta, eps, unbiased, detach_stats)
 
     def forward(
@@ -442,11 +533,16 @@ class FusedLinearGIFTLoss(_FusedLinearLoss):
             raise ValueError(
                 "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
             )
-        logps, ent = self._logps(
-            hidden, weight, completion_ids, completion_mask, bias, self.compute_entropy
-        )
         rw = rewards.detach().float()
-        loss = EpilogueFunction.apply(logps, epilogue.gift, ref, completion_mask, rw, opts)
+        args = (hidden, weight, completion_ids, completion_mask, bias)
+        out = self._single_pass(
+            *args, lambda: single_pass.gift(ref, completion_mask, rw, opts), self.compute_entropy
+        )
+        if out is None:
+            logps, ent = self._logps(*args, self.compute_entropy)
+            loss = EpilogueFunction.apply(logps, epilogue.gift, ref, completion_mask, rw, opts)
+        else:
+            loss, logps, ent = out
         m = metrics.gift(loss, logps, ref, completion_mask, ent, opts)
         dp = self._data_parallel()
         if dp is not None:  # whole groups on every rank: a mean over the batch's rows

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import distributed, epilogue, metrics
+from . import distributed, epilogue, metrics, single_pass
 from . import validation as check
 from .autograd import EpilogueFunction
 from .losses import FusedLinearFGRPOLoss, _FusedLinearLoss
@@ -32,9 +32,11 @@ class FusedLinearFDOLoss(_FusedLinearLoss):
 
     def __init__(
         self, divergence="pearson", beta=0.1, temperature=1.0, fast_fp32=False, *,
-        vocab_parallel=None, process_group=None,
+        vocab_parallel=None, process_group=None, max_chunk_bytes=None,
     ):  # fmt: skip
-        super().__init__(temperature, False, fast_fp32, vocab_parallel, process_group)
+        super().__init__(
+            temperature, False, fast_fp32, vocab_parallel, process_group, max_chunk_bytes
+        )
         self.opts = FDOOptions.parse(divergence, beta)
 
     def forward(
@@ -68,18 +70,34 @@ class FusedLinearFDOLoss(_FusedLinearLoss):
             raise ValueError(
                 "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
             )
-        logps, _ = self._logps(hidden, weight, completion_ids, completion_mask, bias)
+        args = (hidden, weight, completion_ids, completion_mask, bias)
         if dp is None:
-            loss = EpilogueFunction.apply(
-                logps, epilogue.fdo, ref, completion_mask, chosen, self.opts
+            out = self._single_pass(
+                *args, lambda: single_pass.fdo(ref, completion_mask, chosen, self.opts)
             )
+            if out is None:
+                logps, _ = self._logps(*args)
+                loss = EpilogueFunction.apply(
+                    logps, epilogue.fdo, ref, completion_mask, chosen, self.opts
+                )
+            else:
+                loss, logps, _ = out
         else:  # Σ_chosen φ₊/n_chosen + Σ_rejected φ₋/n_rejected over the whole batch's pools
             n_chosen, n = float(pools[0]), float(pools[1])
             adv = torch.where(chosen, 1.0 / n_chosen, -1.0 / (n - n_chosen)).float()
             seq = FGRPOOptions(self.opts.divergence, self.opts.beta, Level.SEQUENCE, Reduction.SUM)
-            loss = EpilogueFunction.apply(
-                logps, epilogue.fgrpo, None, ref, completion_mask, adv, None, None, None, seq
-            ) * dp[1]  # fmt: skip
+            out = self._single_pass(
+                *args,
+                lambda: single_pass.fgrpo(ref, completion_mask, adv, None, None, None, seq),
+            )
+            if out is None:
+                logps, _ = self._logps(*args)
+                loss = EpilogueFunction.apply(
+                    logps, epilogue.fgrpo, None, ref, completion_mask, adv, None, None, None, seq
+                )
+            else:
+                loss, logps, _ = out
+            loss = loss * dp[1]
         return loss, metrics.fdo(loss, logps, ref, completion_mask, chosen, self.opts.beta)
 
 
@@ -105,7 +123,7 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
         self.lam = mixing_weight(lam)
         self.fdo = FusedLinearFDOLoss(
             divergence, beta, temperature, self.fast_fp32, vocab_parallel=self.vocab_parallel,
-            process_group=self.process_group,
+            process_group=self.process_group, max_chunk_bytes=self.max_chunk_bytes,
         )  # fmt: skip
 
     def forward(

@@ -309,3 +309,16 @@ def positive_int(arg: str, value) -> int:
     if value <= 0:
         raise ValueError(f"{arg}: expected a positive int; got {value}")
     return value
+
+
+def byte_count(arg: str, value) -> int | None:
+    """None (the default), or a number of bytes ≥ 0 (an int)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{arg}: expected None or an int number of bytes; got {type(value).__name__}"
+        )
+    if value < 0:
+        raise ValueError(f"{arg}: expected a number of bytes >= 0; got {value}")
+    return value

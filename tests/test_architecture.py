@@ -22,7 +22,7 @@ LAYERS = [
     ("reference",),
     ("kernels", "cpu", "distributed"),
     ("autograd",),
-    ("logprobs", "epilogue", "metrics"),
+    ("logprobs", "epilogue", "metrics", "single_pass"),
     ("losses", "losses_preference"),
     ("testing", "integrations", "trainer"),
     ("bench", "cli", ""),

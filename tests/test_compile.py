@@ -31,6 +31,8 @@ def test_compile_report_sm90(report):
     assert {
         "_logprob_fwd_kernel",
         "_logprob_bwd_kernel",
+        "_logits_stats_kernel",
+        "_logits_grad_kernel",
         "_fgrpo_epilogue_kernel",
         "_grpo_epilogue_kernel",
         "_gift_epilogue_kernel",
@@ -57,3 +59,15 @@ def test_regression_no_register_spills_sm90(report):
     and spilled 168 bytes. Tiles now add int32 in-tile offsets to an int64 base."""
     for r in report:
         assert int(r["spill_st"]) == 0 and int(r["spill_ld"]) == 0, r
+
+
+def test_compile_report_covers_every_single_pass_row_kernel_variant(report):
+    """The single pass's row kernels (`kernels.logits_rows`) at `configs.ROW_CONFIG`, for each
+    operand dtype (bias and dlogits), with and without bias and entropy."""
+    cfg = configs.ROW_CONFIG
+    for kernel in ("_logits_stats_kernel", "_logits_grad_kernel"):
+        rows = {(r["dtype"], r["bias"], r["entropy"]) for r in report if r["kernel"] == kernel}
+        want = {(d, b, e) for d in ("fp32", "bf16", "fp16") for b in "01" for e in "01"}
+        assert rows == want, kernel
+        tiles = {(r["tile"], int(r["warps"])) for r in report if r["kernel"] == kernel}
+        assert tiles == {(f"{cfg.block_n}x{cfg.block_v}", cfg.num_warps)}

@@ -308,9 +308,11 @@ def _run_module(make, call, d, rows, weight, bias, **opts):
     w = weight.clone().requires_grad_(True)
     b = bias.clone().requires_grad_(True)
     sub = {k: (v[rows] if k not in ("weight", "bias") else v) for k, v in d.items()}
-    loss = call(make(**opts), h, w, b, sub["ids"], sub["mask"], sub)[0]
+    module = make(**opts)
+    loss = call(module, h, w, b, sub["ids"], sub["mask"], sub)[0]
     loss.backward()
-    return loss.detach(), h.grad, w.grad, b.grad
+    passes = [m.last_pass for m in module.modules() if hasattr(m, "last_pass")]
+    return loss.detach(), h.grad, w.grad, b.grad, passes
 
 
 def _vocab_parallel_modules(rank, world):
@@ -330,6 +332,8 @@ def _vocab_parallel_modules(rank, world):
             assert_close(f"{label} dhidden", got[1], want[1])
             assert_close(f"{label} dweight", got[2], want[2][lo:hi])
             assert_close(f"{label} dbias", got[3], want[3][lo:hi])
+            # the single pass needs every shard's logits for a chunk's lse: two-pass here
+            assert all(p.startswith("two-pass: vocab_parallel") for p in got[4]), (label, got[4])
 
 
 def test_every_module_vocab_parallel_equals_single_process():
@@ -342,6 +346,7 @@ def _data_parallel_modules(rank, world):
     rows = slice(rank * B // world, (rank + 1) * B // world)
     group = dist.group.WORLD
     _use("cpp")
+    passes = []
     # f-GRPO with G = 8 > rows per rank: every group straddles the ranks; GIFT needs whole
     # groups (G = 2); the others take any split
     for name, make, call in _module_cases(G=8):
@@ -357,6 +362,12 @@ def _data_parallel_modules(rank, world):
             dist.all_reduce(g)
             assert_close(f"{label} {what}", g / world, w)
         assert_close(f"{label} dhidden of this rank's rows", got[1] / world, want[1][rows])
+        passes.append((name, got[4]))
+    # the single pass runs under data parallelism (global normalisers and advantages are
+    # computed before its sweep); the entropy mask's quantile keeps GRPO on the two-pass path
+    for name, got in passes:
+        want = ["two-pass" if name == "grpo_dapo_entropy" else "single"] * len(got)
+        assert [p.split(":")[0] for p in got] == want, (name, got)
 
 
 def test_every_module_data_parallel_equals_the_whole_batch():

@@ -24,8 +24,9 @@ import torch
 
 from ..options import LogProbOptions
 from . import chunked
+from .chunked import unsupported  # noqa: F401 - the same for both CPU backends
 
-SOURCES = ("ops.cpp", "logprob_fwd.cpp", "logprob_bwd.cpp", "tiles.cpp")
+SOURCES = ("ops.cpp", "logprob_fwd.cpp", "logprob_bwd.cpp", "logits_chunk.cpp", "tiles.cpp")
 HEADERS = ("logprob.h",)
 _state: dict[str, Exception | None] = {}
 
@@ -205,6 +206,17 @@ def _register_fakes() -> None:
             torch.empty_like(bias) if need_bias else hidden.new_empty(0, dtype=torch.float32),
         )
 
+    @torch.library.register_fake("fgrpo::logits_fwd")
+    def _(hidden, weight, targets, bias, temperature, ignore_index, return_entropy, logits):
+        n = hidden.shape[0]
+        out = [hidden.new_empty(n, dtype=torch.float32) for _ in range(2)]
+        return (*out, hidden.new_empty(n if return_entropy else 0, dtype=torch.float32))
+
+    @torch.library.register_fake("fgrpo::logits_bwd")
+    def _(logits, hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
+          temperature, ignore_index, dh, dw, db, accumulate):  # fmt: skip
+        return None
+
 
 @torch.compiler.assume_constant_result  # NB: torch.compile runs it eagerly, never traces the build
 def available() -> bool:
@@ -278,3 +290,46 @@ def logprob_bwd(
         *_vocab_range(opts),
     )
     return dh if need_h else None, dw if need_w else None, db if need_b else None
+
+
+BUFFER_TILE = 1024  # BLOCK_V of csrc/logprob.h: each row ends with one reference per vocab tile
+
+
+def bytes_per_row(hidden: torch.Tensor, V: int) -> int:
+    """Bytes per row of the single pass's buffer: V fp32 entries and one per vocab tile."""
+    if _wide(hidden):
+        return chunked.bytes_per_row(hidden, V)
+    return 4 * (V + -(-V // BUFFER_TILE))
+
+
+def logits_buffer(rows: int, V: int, hidden: torch.Tensor) -> torch.Tensor:
+    """The single pass's buffer for `rows` rows (uninitialised)."""
+    if _wide(hidden):
+        return chunked.logits_buffer(rows, V, hidden)
+    return torch.empty(rows, bytes_per_row(hidden, V) // 4, dtype=torch.float32)
+
+
+def logits_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool, logits):
+    """One chunk of the single pass: (logp [M], lse [M], entropy [M] | None) of hidden [M, H],
+    leaving the chunk's exponentiated logits in `logits` (`logits_buffer`) for `logits_bwd`."""
+    if _wide(hidden, weight):
+        return chunked.logits_fwd(hidden, weight, targets, bias, opts, return_entropy, logits)
+    logp, lse, entropy = torch.ops.fgrpo.logits_fwd(
+        hidden, weight, targets, bias, opts.temperature, opts.ignore_index, return_entropy, logits
+    )
+    return logp, lse, entropy if return_entropy else None
+
+
+def logits_bwd(logits, hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
+               opts: LogProbOptions, dh, dw, db, accumulate: bool):  # fmt: skip
+    """`logits` → dlogits in place; dh [M, H] = dz W, dw [V, H] (+)= dz^T h, db [V] (+)= Σ dz
+    (fp32; None: not wanted)."""
+    if _wide(hidden, weight):
+        return chunked.logits_bwd(
+            logits, hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy, opts,
+            dh, dw, db, accumulate,
+        )  # fmt: skip
+    torch.ops.fgrpo.logits_bwd(
+        logits, hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
+        opts.temperature, opts.ignore_index, dh, dw, db, accumulate,
+    )  # fmt: skip

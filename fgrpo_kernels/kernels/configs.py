@@ -42,6 +42,20 @@ CANDIDATES: dict[tuple[str, str], tuple[KernelConfig, ...]] = {
 }
 INTERPRET = KernelConfig(16, 32, 32, 1, 1)
 
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Tiles of the single pass's row kernels (`logits_rows`): BLOCK_N rows × BLOCK_V columns
+    of the fp32 logits buffer, no products (memory-bound; fixed, not tuned)."""
+
+    block_n: int
+    block_v: int
+    num_warps: int
+
+
+ROW_CONFIG = RowConfig(1, 2048, 8)  # one row per program: 40 registers at most, no spills
+ROW_INTERPRET = RowConfig(4, 64, 1)
+
 # Forward: at least MIN_SPLITS vocab splits, more while the grid has < TARGET_PROGRAMS_PER_SM
 # programs per SM (small N), never more than there are vocab tiles.
 MIN_SPLITS = 4
@@ -63,12 +77,13 @@ def forced(
     chunk: int | None = None,
     rows_outer: bool | None = None,
     scratch: int | None = None,
+    rows: RowConfig | None = None,
 ) -> Iterator[None]:
-    """Override the tiles (both kernels), the forward split count, and the backward's wave
-    width, chunk height, loop order or scratch size."""
+    """Override the tiles (both kernels), the forward split count, the backward's wave
+    width, chunk height, loop order or scratch size, and the single pass's row tiles."""
     saved = dict(_forced)
     given = {"config": config, "splits": splits, "wave": wave, "chunk": chunk,
-             "rows_outer": rows_outer, "scratch": scratch}  # fmt: skip
+             "rows_outer": rows_outer, "scratch": scratch, "rows": rows}  # fmt: skip
     _forced.update({k: v for k, v in given.items() if v is not None})
     try:
         yield
@@ -90,6 +105,14 @@ def candidates(
     if "config" in _forced:
         return (_forced["config"],)
     return (INTERPRET,) if interpret else CANDIDATES[(kind, precision(hidden, weight, fast_fp32))]
+
+
+def row_config(interpret: bool) -> RowConfig:
+    """The row kernels' tiles: the forced one (`forced(rows=...)`), the interpreter's, or the
+    compiled default."""
+    if "rows" in _forced:
+        return _forced["rows"]
+    return ROW_INTERPRET if interpret else ROW_CONFIG
 
 
 def vocab_splits(N: int, V: int, cfg: KernelConfig, device: torch.device) -> tuple[int, int]:

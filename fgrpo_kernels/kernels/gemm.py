@@ -45,27 +45,24 @@ def route(a: torch.Tensor) -> str:
     return "bf16" if a.dtype == torch.bfloat16 else "upcast"
 
 
-def gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, how=None):
-    """out (+)= a @ b with out fp32 and a, b of one dtype; `how` overrides `route(a)`."""
+def gemm(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, how=None,
+         alpha: float = 1.0):  # fmt: skip
+    """out (+)= alpha·(a @ b) with out fp32 and a, b of one dtype; `how` overrides `route(a)`."""
     how = how or route(a)
-    if how == "fp32":
-        if accumulate:
-            torch.addmm(out, a, b, out=out)
+    if how in ("fp32", "out_dtype"):
+        dtype = (torch.float32,) if how == "out_dtype" else ()
+        if accumulate or alpha != 1.0:
+            torch.addmm(out, a, b, *dtype, beta=1.0 if accumulate else 0.0, alpha=alpha, out=out)
         else:
-            torch.mm(a, b, out=out)
-    elif how == "out_dtype":
-        if accumulate:
-            torch.addmm(out, a, b, torch.float32, out=out)
-        else:
-            torch.mm(a, b, torch.float32, out=out)
+            torch.mm(a, b, *dtype, out=out)
     else:
         # bf16: a bf16 [rows, H] product, bounded like the tiles; upcast: fp32 copies of the tile
         # operands (exact; fp16 products could leave fp16's range at the strip's scale)
         prod = torch.mm(a, b) if how == "bf16" else torch.mm(a.float(), b.float())
         if accumulate:
-            out.add_(prod)
+            out.add_(prod, alpha=alpha)
         else:
-            out.copy_(prod)
+            torch.mul(prod, alpha, out=out)
 
 
 def _resolved(raw: str) -> str:

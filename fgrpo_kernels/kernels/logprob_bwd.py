@@ -26,8 +26,7 @@ from ..options import LogProbOptions
 from . import autotune, configs
 from .gemm import fp32_precision, gemm
 from .launch import check_dtypes, dot_flags, interpreted
-from .tl_math import tl_expm1
-from .tl_utils import tl_block_start, tl_local_index, tl_logits_tile
+from .tl_utils import tl_block_start, tl_dlogits, tl_logits_tile
 
 
 @triton.jit
@@ -73,26 +72,14 @@ def _logprob_bwd_kernel(
     rows = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_V)
     mask_n = rows < (N - n0).to(tl.int32)
-    y = tl.load(y_ptr + n0 + rows, mask=mask_n, other=ignore_index)
-    valid = mask_n & (y != ignore_index)
-    g = tl.load(g_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + n0 + rows, mask=mask_n, other=0.0)
     z = tl_logits_tile(
         h_ptr, w_ptr, b_ptr, n0, v0, N, V, H, stride_hn, stride_wv, inv_t,
         HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_K, UPCAST_DOT, DOT_PRECISION,
     )  # fmt: skip
-    u = z - lse[:, None]
-    p = tl.exp(u)
-    hit = cols[None, :] == tl_local_index(y, v0, BLOCK_V)[:, None]
-    # NB: the target's g·(1 − p_y) as −g·expm1(u_y): a near-certain target keeps its precision.
-    dz = -g[:, None] * tl.where(hit, tl_expm1(u), p)
-    if HAS_GRAD_ENTROPY:
-        g_ent = tl.load(g_ent_ptr + n0 + rows, mask=mask_n, other=0.0).to(tl.float32)
-        ent = tl.load(ent_ptr + n0 + rows, mask=mask_n, other=0.0)
-        dz -= g_ent[:, None] * p * tl.where(p > 0.0, u + ent[:, None], 0.0)  # u = −inf: p = 0
+    dz = tl_dlogits(z, n0, v0, N, y_ptr, lse_ptr, g_ptr, ent_ptr, g_ent_ptr, scale_ptr, inv_t,
+                    ignore_index, HAS_GRAD_ENTROPY, BLOCK_N, BLOCK_V)  # fmt: skip
     dz_ptrs = dz_ptr + n0 * stride_dz + (v0 - v_begin) + (rows[:, None] * stride_dz + cols[None, :])
     mask = mask_n[:, None] & (cols < (v_end - v0).to(tl.int32))[None, :]
-    dz = tl.where(valid[:, None], dz * (inv_t * tl.load(scale_ptr)), 0.0)
     tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 

@@ -10,7 +10,7 @@ from .. import distributed
 from ..options import LogProbOptions
 from . import autotune, configs
 from .launch import check_dtypes, dot_flags, interpreted
-from .tl_utils import tl_block_start, tl_local_index, tl_logits_tile
+from .tl_utils import tl_block_start, tl_local_index, tl_logits_tile, tl_online_fold
 
 
 @triton.jit
@@ -64,20 +64,7 @@ def _logprob_fwd_kernel(
         in_v = (cols < (V - v0).to(tl.int32))[None, :]
         z = tl.where(in_v, z, float("-inf"))
         hit = cols[None, :] == tl_local_index(y, v0, BLOCK_V)[:, None]
-        z_y += tl.sum(tl.where(hit, z, 0.0), axis=1)
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        # NB: banned tokens (−inf logits) have p = 0 and add nothing: a tile of them leaves m
-        # at −inf (shifted by 0, not by −inf), and u is zeroed where e = 0 before e·u (no 0·∞,
-        # also in the padded columns past V).
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        scale = tl.exp(m - m_ref)
-        u = z - m_ref[:, None]
-        e = tl.exp(u)
-        if HAS_ENTROPY:
-            shift = tl.where(m == float("-inf"), 0.0, m - m_new)
-            t = scale * (t + shift * s) + tl.sum(e * tl.where(e > 0.0, u, 0.0), axis=1)
-        s = scale * s + tl.sum(e, axis=1)
-        m = m_new
+        m, s, t, z_y = tl_online_fold(z, hit, m, s, t, z_y, HAS_ENTROPY)
     row = split.to(tl.int64) * N + n0 + rows
     tl.store(m_ptr + row, m, mask=mask_n)
     tl.store(s_ptr + row, s, mask=mask_n)

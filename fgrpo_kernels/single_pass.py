@@ -1,0 +1,297 @@
+"""Single-pass fused losses: the gradients formed in the forward sweep (docs/math.md §5).
+
+The two-pass path computes the log-probs (logits once), runs the loss epilogue, and in backward
+recomputes the logits to form dlogits: 8·N·H·V FLOPs. Where dL/dlogp of a chunk of tokens is
+known once the chunk's log-probs are, the sweep instead walks the tokens in chunks and, per
+chunk, (1) computes the logits into a bounded buffer and their lse, logp, entropy
+(`logits_fwd`), (2) runs the epilogue on the chunk for dL/dlogp (and dL/dentropy), (3) turns
+the buffer into dlogits in place and forms dh (the chunk's rows) and dW, db (accumulated)
+(`logits_bwd`): 6·N·H·V FLOPs. Backward only scales the stored gradients.
+
+A chunk's dL/dlogp needs that chunk alone when the loss is `Locality.TOKEN` (with its batch-wide
+normalisers — Σ mask, num_items_in_batch, B, advantages from rewards — computed up front), or
+when the chunk holds whole sequences (`ROW`) or whole groups (`GROUP`). Each loss here states its
+locality and runs the ordinary epilogue on a chunk (`ChunkedLoss`); the value of the loss is the
+epilogue on the whole batch's log-probs, as on the two-pass path. `plan` says why not when the
+single pass cannot run (the module then takes the two-pass path).
+
+Shapes: hidden [N, H] (the unmasked tokens, row-major), weight [V, H], targets [N]; per-token
+side inputs [B, T], per-sequence [B].
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import enum
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import epilogue, grpo_math, reference
+from .autograd import SinglePassFunction, select_backend
+from .options import (
+    FDOOptions,
+    FGRPOOptions,
+    GIFTOptions,
+    GRPOOptions,
+    Level,
+    LogProbOptions,
+    Objective,
+    Reduction,
+)
+
+ENV = "FGRPO_MAX_CHUNK_BYTES"
+# The logits buffer by default: ~1 GiB on a GPU (a few thousand rows of a 128k vocabulary); on
+# the CPU 32 MiB, a few hundred rows of a 32k vocabulary, which the last-level cache mostly holds.
+DEFAULT_BYTES = {"cuda": 1 << 30, "cpu": 32 << 20}
+
+
+class Locality(enum.IntEnum):
+    """What a token's dL/dlogp depends on, beyond numbers computed up front: the token alone,
+    its whole sequence, or its whole group of G sequences."""
+
+    TOKEN = 0
+    ROW = 1
+    GROUP = 2
+
+
+@dataclass(frozen=True)
+class ChunkedLoss:
+    """A loss as the single pass sees it.
+
+    `grad(rows, mask, logps, entropy)` → (dL/dlogp, dL/dentropy | None), each [b, T], for the
+    batch rows `rows` (a slice of b rows) where `mask` marks the chunk's tokens only; `loss(logps,
+    entropy)` is the whole batch's value. `group` is G for `Locality.GROUP`."""
+
+    locality: Locality
+    grad: Callable
+    loss: Callable
+    group: int = 1
+
+
+def chunk_bytes(max_chunk_bytes: int | None, device: torch.device) -> int:
+    """The buffer budget: `max_chunk_bytes`, else $FGRPO_MAX_CHUNK_BYTES, else the device's
+    default (0: the two-pass path)."""
+    if max_chunk_bytes is not None:
+        return max_chunk_bytes
+    env = os.environ.get(ENV)
+    if env is not None:
+        if not env.isdigit():
+            raise ValueError(f"{ENV}: expected a number of bytes >= 0; got {env!r}")
+        return int(env)
+    return DEFAULT_BYTES["cuda" if device.type == "cuda" else "cpu"]
+
+
+def plan_chunks(lengths: list[int], locality: Locality, group: int, max_rows: int):
+    """Token ranges [(n0, n1)] of at most `max_rows` tokens that split no unit (a token, a
+    sequence of lengths[i] tokens, or G consecutive sequences), greedily; or a reason (str)
+    when a unit is longer than `max_rows`."""
+    N = sum(lengths)
+    if locality == Locality.TOKEN:
+        return [(n0, min(n0 + max_rows, N)) for n0 in range(0, N, max_rows)]
+    per = 1 if locality == Locality.ROW else group
+    units = [sum(lengths[i : i + per]) for i in range(0, len(lengths), per)]
+    what = "a sequence" if per == 1 else f"a group of {per} sequences"
+    if units and max(units) > max_rows:
+        return f"{what} holds {max(units)} tokens, more than a chunk of {max_rows} rows"
+    chunks, n0, n1 = [], 0, 0
+    for size in units:
+        if n1 + size - n0 > max_rows:
+            chunks.append((n0, n1))
+            n0 = n1
+        n1 += size
+    if n1 > n0:
+        chunks.append((n0, n1))
+    return chunks
+
+
+def _row_span(starts: list[int], n0: int, n1: int, locality: Locality, group: int) -> slice:
+    """The batch rows the tokens [n0, n1) lie in (`starts`: each row's first token), widened
+    to whole groups at GROUP locality."""
+    b0 = bisect.bisect_right(starts, n0) - 1
+    b1 = bisect.bisect_right(starts, n1 - 1)
+    if locality == Locality.GROUP:
+        b0, b1 = b0 - b0 % group, -(-b1 // group) * group
+    return slice(b0, b1)
+
+
+def plan(hidden, weight, lengths: list[int], loss: ChunkedLoss | str, max_bytes: int):
+    """(backend, rows per chunk, chunks) for a single pass, or why it cannot run (str)."""
+    if isinstance(loss, str):
+        return loss
+    if max_bytes == 0:
+        return "max_chunk_bytes=0"
+    backend = select_backend(hidden.device)
+    V = weight.shape[0]
+    if hasattr(backend, "unsupported"):
+        why = backend.unsupported(hidden, weight)
+        if why is not None:
+            return why
+    per_row = backend.bytes_per_row(hidden, V)
+    max_rows = max_bytes // per_row
+    if max_rows == 0:
+        return f"one row of logits ({per_row} bytes) exceeds max_chunk_bytes={max_bytes}"
+    chunks = plan_chunks(lengths, loss.locality, loss.group, max_rows)
+    if isinstance(chunks, str):
+        return chunks
+    return backend, max_rows, chunks
+
+
+def run(backend, max_rows, chunks, hidden, weight, targets, bias, lp_opts: LogProbOptions,
+        positions, mask, loss: ChunkedLoss, entropy: bool):  # fmt: skip
+    """(loss, logps [B, T], entropy [B, T] | None) through `SinglePassFunction`; `positions` are
+    the flat indices in [B·T] of the N tokens."""
+    B, T = mask.shape
+    lengths = mask.bool().sum(-1).tolist()
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+
+    def scatter(x, rows: slice, local):
+        return x.new_zeros((rows.stop - rows.start) * T).index_copy_(0, local, x).view(-1, T)
+
+    def sweep(h, w, b, needs):
+        N, H = h.shape
+        V = w.shape[0]
+        acc = torch.promote_types(h.dtype, torch.float32)
+        logits = backend.logits_buffer(min(max_rows, N), V, h)
+        logp = h.new_zeros(N, dtype=acc)
+        ent = h.new_zeros(N, dtype=acc) if entropy else None
+        dh = h.new_empty((N, H)) if needs[0] else None
+        # dh rows are formed in fp32 (`acc`): straight into dh when it is fp32, else via a buffer
+        dh_acc = None
+        if needs[0] and h.dtype != acc:
+            dh_acc = h.new_empty((min(max_rows, N), H), dtype=acc)
+        dw = h.new_zeros((V, H), dtype=acc) if needs[1] else None
+        db = h.new_zeros(V, dtype=acc) if needs[2] and b is not None else None
+        for k, (n0, n1) in enumerate(chunks):
+            buf = logits[: n1 - n0]
+            y = targets[n0:n1]
+            lp, lse, en = backend.logits_fwd(h[n0:n1], w, y, b, lp_opts, entropy, buf)
+            logp[n0:n1] = lp
+            if ent is not None:
+                ent[n0:n1] = en
+            rows = _row_span(starts, n0, n1, loss.locality, loss.group)
+            local = positions[n0:n1] - rows.start * T
+            m = scatter(torch.ones_like(lp, dtype=mask.dtype), rows, local)
+            d_lp, d_en = loss.grad(rows, m, scatter(lp, rows, local),
+                                   None if en is None else scatter(en, rows, local))  # fmt: skip
+            g = d_lp.reshape(-1).index_select(0, local).to(acc)
+            g_en = None if d_en is None else d_en.reshape(-1).index_select(0, local).to(acc)
+            d_h = None if dh is None else dh[n0:n1] if dh_acc is None else dh_acc[: n1 - n0]
+            backend.logits_bwd(buf, h[n0:n1], w, y, b, lse, en, g, g_en, lp_opts, d_h, dw, db,
+                               k > 0)  # fmt: skip
+            if dh_acc is not None:
+                dh[n0:n1] = d_h
+        whole = torch.zeros(B * T, dtype=acc, device=h.device)
+        logps = whole.index_copy(0, positions, logp).view(B, T)
+        ents = None if ent is None else whole.index_copy(0, positions, ent).view(B, T)
+        value = loss.loss(logps, ents)
+        dw = None if dw is None else dw.to(w.dtype)
+        db = None if db is None else db.to(b.dtype)
+        return value, logps, ents, dh, dw, db
+
+    value, logps, ents = SinglePassFunction.apply(hidden, weight, bias, sweep)
+    return value, logps, ents if entropy else None
+
+
+# ----------------------------------------------------------------------------- the losses
+
+
+def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if t is None else t[rows]
+
+
+def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) -> ChunkedLoss:
+    """The GRPO family on the batch's `grpo_math.Normalisers` (row scales and the entropy
+    bonus's scale, computed up front; no entropy mask): per-token terms, except a GSPO ratio,
+    VESPO's weight and the off-policy mask, which are statistics of whole sequences."""
+    per_row = (opts.level == Level.SEQUENCE or opts.objective == Objective.VESPO
+               or opts.off_policy_mask_threshold is not None)  # fmt: skip
+
+    def grad(rows, m, lp, ent):
+        sub = grpo_math.Normalisers(norms.row_scale[rows], None, norms.entropy_scale)
+        _, d, d_ent = epilogue.grpo(lp, ent, _rows(old, rows), _rows(ref, rows), m,
+                                    advantages[rows], _rows(ratio, rows), _rows(sampling, rows),
+                                    sub, opts)  # fmt: skip
+        return d, d_ent
+
+    def loss(lp, ent):
+        out = epilogue.grpo(lp, ent, old, ref, mask, advantages, ratio, sampling, norms, opts)
+        return out[0]
+
+    return ChunkedLoss(Locality.ROW if per_row else Locality.TOKEN, grad, loss)
+
+
+def fgrpo(ref, mask, advantages, rewards, old, ratio, opts: FGRPOOptions) -> ChunkedLoss:
+    """f-GRPO: the units' costs summed on the chunk, times the reduction's weight of each row
+    (1/max(Σ mask, 1), 1/(B·max(L_i, 1)), 1/B or 1); advantages from rewards up front (float64
+    group statistics, as the kernels compute them); the entropy bonus's gradient
+    −c·mask/max(Σ mask, 1) (`grpo_math.entropy_bonus`). Sequence level needs whole sequences,
+    the group importance weights whole groups."""
+    B = mask.shape[0]
+    m = mask.to(torch.float32)
+    a = advantages
+    if a is None:
+        a = reference.group_zscore(rewards.double(), opts.num_generations, opts.eps,
+                                   opts.unbiased, opts.scale).float()  # fmt: skip
+    if opts.reduction == Reduction.TOKEN_MEAN:
+        weight = (1.0 / m.sum().clamp(min=1.0)).expand(B)
+    elif opts.reduction == Reduction.SEQ_MEAN:
+        length = m.sum(-1).clamp(min=1.0)
+        weight = 1.0 / (B * (length if opts.level == Level.TOKEN else torch.ones_like(length)))
+    else:
+        weight = torch.ones_like(m[:, 0])
+    bonus = opts.entropy_coef / m.sum().clamp(min=1.0)
+    unit = dataclasses.replace(opts, reduction=Reduction.SUM, entropy_coef=0.0)
+
+    def grad(rows, m, lp, ent):
+        rw = old_rows = None
+        if opts.group_is_weights:
+            rw, old_rows = rewards[rows], lp.detach() if old is None else old[rows]
+        _, d, _ = epilogue.fgrpo(lp, None, ref[rows], m, a[rows], rw, old_rows,
+                                 _rows(ratio, rows), unit)  # fmt: skip
+        d_ent = None if opts.entropy_coef == 0.0 else -bonus * m.to(d.dtype)
+        return d * weight[rows, None].to(d.dtype), d_ent
+
+    def loss(lp, ent):
+        full_old = (lp.detach() if old is None else old) if opts.group_is_weights else None
+        out = epilogue.fgrpo(lp, ent, ref, mask, advantages, rewards, full_old, ratio, opts)
+        return out[0]
+
+    if opts.group_is_weights:
+        return ChunkedLoss(Locality.GROUP, grad, loss, opts.num_generations)
+    return ChunkedLoss(Locality.TOKEN if opts.level == Level.TOKEN else Locality.ROW, grad, loss)
+
+
+def gift(ref, mask, rewards, opts: GIFTOptions) -> ChunkedLoss:
+    """GIFT: z-scores within groups, so whole groups; the chunk's mean over its b rows is
+    rescaled to the batch's mean over B rows."""
+    B = mask.shape[0]
+
+    def grad(rows, m, lp, ent):
+        _, d = epilogue.gift(lp, ref[rows], m, rewards[rows], opts)[:2]
+        return d * ((rows.stop - rows.start) / B), None
+
+    def loss(lp, ent):
+        return epilogue.gift(lp, ref, mask, rewards, opts)[0]
+
+    return ChunkedLoss(Locality.GROUP, grad, loss, opts.num_generations)
+
+
+def fdo(ref, mask, chosen, opts: FDOOptions) -> ChunkedLoss:
+    """FDO: sequence-level f-GRPO with advantages ±1/(pool size) counted up front; whole
+    sequences."""
+    advantages, seq = epilogue.fdo_as_fgrpo(chosen, opts)
+
+    def grad(rows, m, lp, ent):
+        _, d, _ = epilogue.fgrpo(lp, None, ref[rows], m, advantages[rows], None, None, None, seq)
+        return d, None
+
+    def loss(lp, ent):
+        return epilogue.fdo(lp, ref, mask, chosen, opts)[0]
+
+    return ChunkedLoss(Locality.ROW, grad, loss)

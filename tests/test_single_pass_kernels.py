@@ -1,0 +1,194 @@
+"""The single pass's chunk primitives (`logits_fwd` / `logits_bwd`) of every backend against a
+float64 oracle, over several chunks on awkward shapes; the chunk plan; C++ determinism and the
+ops' own argument checks."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fgrpo_kernels import kernels
+from fgrpo_kernels import reference as R
+from fgrpo_kernels.cpu import chunked, cpp
+from fgrpo_kernels.options import LogProbOptions
+from fgrpo_kernels.single_pass import Locality, plan_chunks
+from fgrpo_kernels.testing import rel_error
+
+BACKENDS = {"cpp": cpp, "chunked": chunked, "triton": kernels}
+TOL = {torch.float32: 2e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+def backend_module(name):
+    if name == "cpp" and not cpp.available():
+        pytest.skip(f"C++ backend not built: {cpp.build_error()}")
+    return BACKENDS[name]
+
+
+def inputs(seed, N, H, V, dtype, bias, tau, ignored):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=gen, dtype=torch.float64).to(dtype)
+    w = (2 * torch.randn(V, H, generator=gen, dtype=torch.float64) / H**0.5).to(dtype)
+    b = torch.randn(V, generator=gen, dtype=torch.float64) if bias else None
+    if b is not None:
+        b[torch.rand(V, generator=gen) < 0.1] = float("-inf")  # banned tokens
+        b[0] = 0.0
+        b = b.to(dtype)
+    y = torch.randint(0, V, (N,), generator=gen)
+    y[torch.rand(N, generator=gen) < ignored] = -100
+    g = torch.randn(N, generator=gen, dtype=torch.float64)
+    g_ent = torch.randn(N, generator=gen, dtype=torch.float64)
+    return h, w, b, y, g, g_ent, LogProbOptions(tau, -100)
+
+
+def single_pass(mod, h, w, b, y, g, g_ent, opts, rows, with_entropy, needs):
+    """(logp, entropy, dh, dw, db) over chunks of `rows` rows, as the driver walks them."""
+    N, V = h.shape[0], w.shape[0]
+    acc = torch.promote_types(h.dtype, torch.float32)
+    buf = mod.logits_buffer(min(rows, N), V, h)
+    logp, ent = torch.zeros(N, dtype=acc), torch.zeros(N, dtype=acc)
+    dh = torch.zeros(N, h.shape[1], dtype=acc) if needs[0] else None
+    dw = torch.full(w.shape, 7.0, dtype=acc) if needs[1] else None  # overwritten by chunk 0
+    db = torch.full((V,), 7.0, dtype=acc) if needs[2] and b is not None else None
+    for k, n0 in enumerate(range(0, N, rows)):
+        n1 = min(n0 + rows, N)
+        part = mod.logits_fwd(h[n0:n1], w, y[n0:n1], b, opts, with_entropy, buf[: n1 - n0])
+        logp[n0:n1] = part[0]
+        if with_entropy:
+            ent[n0:n1] = part[2]
+        ge = g_ent[n0:n1].to(acc) if with_entropy else None
+        mod.logits_bwd(buf[: n1 - n0], h[n0:n1], w, y[n0:n1], b, part[1], part[2],
+                       g[n0:n1].to(acc), ge, opts, None if dh is None else dh[n0:n1], dw, db,
+                       k > 0)  # fmt: skip
+    return logp, ent, dh, dw, db
+
+
+def oracle(h, w, b, y, g, g_ent, opts, with_entropy):
+    """float64 (logp, entropy, dh, dw, db) of Σ g·logp + Σ g_H·H through the materialised
+    logits; inputs upcast as they are (bf16 values exactly)."""
+    leaves = [t.double().requires_grad_(True) for t in (h, w)]
+    bias = None if b is None else b.double().requires_grad_(True)
+    logp, ent = R.logprobs(leaves[0], leaves[1], y, bias, opts.temperature, -100, True)
+    loss = (g * logp).sum() + ((g_ent * ent).sum() if with_entropy else 0.0)
+    grads = torch.autograd.grad(loss, leaves + ([] if bias is None else [bias]))
+    return logp, ent, *grads, *([None] if bias is None else [])
+
+
+def compare(name, dtype, seed, N, H, V, bias, tau, ignored, rows, with_entropy,
+            needs=(True, True, True)):  # fmt: skip
+    mod = backend_module(name)
+    if name == "triton" and dtype == torch.float64:
+        dtype = torch.float32  # the Triton path takes fp32/bf16/fp16
+    args = inputs(seed, N, H, V, dtype, bias, tau, ignored)
+    got = single_pass(mod, *args, rows, with_entropy, needs)
+    want = oracle(*args, with_entropy)
+    tol = TOL[dtype]
+    for label, a, e in zip(("logp", "entropy", "dh", "dw", "db"), got, want):
+        if a is None or (label == "entropy" and not with_entropy):
+            continue
+        # logp of a banned target is −inf on both sides; compare the finite ones
+        finite = torch.isfinite(e)
+        assert torch.equal(finite, torch.isfinite(a)), f"{name} {label}: non-finite entries"
+        # near 0 an output carries fp32's absolute error (the logp of a p ≈ 1 token): norms
+        # floored at 0.1 per element, as in test_cpp_backend
+        err = rel_error(a[finite], e[finite], max(0.1 * int(finite.sum()) ** 0.5, 1e-12))
+        assert err <= tol, f"{name} {dtype} {label}: {err}"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    N=st.integers(1, 23),
+    H=st.integers(1, 40),
+    V=st.integers(2, 300),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+    bias=st.booleans(),
+    tau=st.sampled_from([1.0, 0.6, 1.7]),
+    ignored=st.sampled_from([0.0, 0.3, 1.0]),
+    rows=st.integers(1, 9),
+    with_entropy=st.booleans(),
+)
+def test_chunks_match_float64(name, seed, N, H, V, dtype, bias, tau, ignored, rows,
+                              with_entropy):  # fmt: skip
+    compare(name, dtype, seed, N, H, V, bias, tau, ignored, rows, with_entropy)
+
+
+@pytest.mark.parametrize(
+    "name, N, H, V, dtype, rows",
+    [
+        ("cpp", 300, 17, 8200, torch.float32, 257),  # two token blocks, two vocab splits
+        ("cpp", 5, 9, 1025, torch.bfloat16, 5),  # one vocab tile plus one column
+        ("cpp", 3, 4, 513, torch.float64, 2),  # fp64 goes to the chunked path
+        ("chunked", 7, 5, 4097, torch.float32, 3),  # two vocab chunks
+        ("triton", 9, 33, 130, torch.float16, 4),  # fp16: the power-of-two dlogits scale
+    ],
+)
+def test_named_shapes(name, N, H, V, dtype, rows):
+    compare(name, dtype, N + V, N, H, V, True, 0.8, 0.2, rows, True)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("needs", [(True, False, False), (False, True, True), (False, False, True)])
+def test_frozen_inputs(name, needs):
+    compare(name, torch.float32, 5, 11, 7, 90, True, 1.0, 0.1, 4, False, needs)
+
+
+def _cpp_outputs(threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return single_pass(cpp, *inputs(4, 300, 40, 9000, torch.float32, True, 0.9, 0.1), 270,
+                           True, (True, True, True))  # fmt: skip
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_cpp_chunks_are_bitwise_deterministic_across_thread_counts():
+    backend_module("cpp")
+    one = _cpp_outputs(1)
+    for threads in (2, 3):
+        for label, a, b in zip(("logp", "entropy", "dh", "dw", "db"), one, _cpp_outputs(threads)):
+            assert torch.equal(a, b), f"{label}: 1 vs {threads} threads differ"
+
+
+def test_cpp_ops_check_their_buffers():
+    backend_module("cpp")
+    h, w, b, y, g, _, opts = inputs(0, 4, 3, 20, torch.float32, True, 1.0, 0.0)
+    good = cpp.logits_buffer(4, 20, h)
+    with pytest.raises(ValueError, match="^logits: expected shape"):
+        torch.ops.fgrpo.logits_fwd(h, w, y, b, 1.0, -100, False, torch.empty(4, 20))
+    with pytest.raises(TypeError, match="^logits: expected a contiguous fp32"):
+        torch.ops.fgrpo.logits_fwd(h, w, y, b, 1.0, -100, False, good.double())
+    _, lse, _ = cpp.logits_fwd(h, w, y, b, opts, False, good)
+    with pytest.raises(ValueError, match="^dw: expected shape"):
+        torch.ops.fgrpo.logits_bwd(good, h, w, y, b, lse, None, g.float(), None, 1.0, -100, None,
+                                   torch.empty(3, 20), None, False)  # fmt: skip
+    with pytest.raises(ValueError, match="^targets: expected ids"):
+        torch.ops.fgrpo.logits_fwd(h, w, y + 20, b, 1.0, -100, False, good)
+
+
+# ----------------------------------------------------------------------------- the chunk plan
+
+
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=12),
+    locality=st.sampled_from(list(Locality)),
+    G=st.sampled_from([1, 2, 3]),
+    max_rows=st.integers(1, 20),
+)
+def test_plan_chunks_cover_the_tokens_and_split_no_unit(lengths, locality, G, max_rows):
+    lengths = lengths + [0] * (-len(lengths) % G)
+    plan = plan_chunks(lengths, locality, G, max_rows)
+    per = {Locality.TOKEN: None, Locality.ROW: 1, Locality.GROUP: G}[locality]
+    units = [] if per is None else [sum(lengths[i : i + per]) for i in range(0, len(lengths), per)]
+    if units and max(units) > max_rows:
+        assert isinstance(plan, str) and f"more than a chunk of {max_rows} rows" in plan
+        return
+    N = sum(lengths)
+    assert [n0 for n0, _ in plan] == [0, *(n1 for _, n1 in plan)][: len(plan)]  # contiguous
+    assert (plan[-1][1] if plan else 0) == N
+    assert all(0 < n1 - n0 <= max_rows for n0, n1 in plan)
+    bounds = {0}
+    for size in units:
+        bounds.add(max(bounds) + size)
+    if per is not None:
+        assert all(n1 in bounds for _, n1 in plan), (plan, bounds)
