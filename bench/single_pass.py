@@ -4,11 +4,11 @@
                                 [--impls two_pass,single,eager,liger] [--out results.json]
 
 GRPO "dapo" (β 0.04, ε 0.2, reference log-probs given), fp32, forward + backward, the
-workload of `fgrpo bench` (`fgrpo_kernels.bench.impls`). Every measurement is a fresh process
+workload of `fgrpo bench` (`fgrpo_kernels.bench.peers`). Every measurement is a fresh process
 (`--child`) with the same thread count (OMP/MKL and torch); rounds interleave the
 implementations so that a drifting machine load hits them alike. In the child: the inputs are
 built and the backend loaded (the C++ library is a one-time ~150 MiB of the process, not of a
-call), one warm-up on the first completion (same code path, N/B tokens), then the high-water
+call), one warm-up on the first T/8 tokens of every completion (same code path), then the high-water
 mark of the resident set is reset and one full-size call is timed: wall time, process CPU
 time and the peak extra resident memory (VmHWM − VmRSS, `process_memory.PeakRSS`). "two_pass"
 is our module with FGRPO_MAX_CHUNK_BYTES=0 (the path before the single pass), "single" the
@@ -26,11 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-IMPLS = {  # name -> (bench impl, extra environment)
-    "two_pass": ("ours_grpo", {"FGRPO_MAX_CHUNK_BYTES": "0"}),
-    "single": ("ours_grpo", {}),
-    "eager": ("eager_grpo", {}),
-    "liger": ("liger_grpo", {}),
+IMPLS = {  # name -> (`fgrpo bench` peer, extra environment)
+    "two_pass": ("ours", {"FGRPO_MAX_CHUNK_BYTES": "0"}),
+    "single": ("ours", {}),
+    "eager": ("eager", {}),
+    "liger": ("liger", {}),
 }
 
 
@@ -38,27 +38,26 @@ def child(impl: str, N: int, V: int, H: int, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from fgrpo_kernels.bench.impls import IMPLS as BENCH
-    from fgrpo_kernels.bench.impls import Workload, run_step
-
     import fgrpo_kernels
+    from fgrpo_kernels.bench.peers import PEERS
     from fgrpo_kernels.bench.presets import Case
     from fgrpo_kernels.bench.process_memory import PeakRSS
+    from fgrpo_kernels.bench.workload import Workload, run_step
 
-    name = IMPLS[impl][0]
-    case = Case(name, "fwd+bwd", N, V, H, "float32", "cpu")
-    step = BENCH[name].build("cpu")
+    peer = PEERS[IMPLS[impl][0]]
+    case = Case(IMPLS[impl][0], "grpo", "fwd+bwd", N, V, H, "float32", "cpu")
+    step = peer.step("grpo", "cpu")
     w = Workload.make(case)
     fgrpo_kernels.cpu_backend()  # loads the C++ library (a one-time cost of the process)
-    backend = BENCH[name].backend("cpu")
-    run_step(step, w.first(), "fwd+bwd")
+    run_step(step, w.prefix(), "fwd+bwd")  # warm-up: the same code path on N/8 tokens
     w.zero_grad()
     peak = PeakRSS()
     c0, t0 = time.process_time(), time.perf_counter()
-    run_step(step, w, "fwd+bwd")
+    loss = run_step(step, w, "fwd+bwd")
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"impl": impl, "backend": backend, "wall_s": wall, "cpu_s": cpu,
-            "peak_mib": peak.extra() / 2**20, "threads": torch.get_num_threads()}  # fmt: skip
+    return {"impl": impl, "backend": peer.backend("cpu"), "wall_s": wall, "cpu_s": cpu,
+            "peak_mib": peak.extra() / 2**20, "threads": torch.get_num_threads(),
+            "loss": float(loss.detach())}  # fmt: skip
 
 
 def load() -> float:
@@ -117,7 +116,8 @@ def main(argv=None) -> int:
         print(f"| {impl} | {xs[0]['backend']} | {wall:.2f} | {cpu:.2f} | {peak:.1f} | {loads} | "
               f"{ratio} |")  # fmt: skip
     if args.out:
-        args.out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+        report = {"args": vars(args), "rows": rows}
+        args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     return 0
 
 
