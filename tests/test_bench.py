@@ -202,3 +202,23 @@ def test_vocab_parallel_case_on_two_ranks():
         assert rows[impl]["peak_mem_mib"] > 0 and rows[impl]["time_ms"] > 0
         assert "bytes sent into collectives per call" in rows[impl]["note"]
     assert rows["ours_1rank"]["checksum"] == pytest.approx(rows["ours_2ranks"]["checksum"])
+
+
+def test_single_pass_script_measures_every_impl(tmp_path):
+    """bench/single_pass.py at toy size: a row per impl from its own process, the same loss."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "single_pass.py"
+    out = tmp_path / "results.json"
+    args = ["--N", "64", "--V", "96", "--H", "8", "--rounds", "1", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["two_pass", "single", "eager", "liger"]
+    assert all("error" not in r for r in rows), rows
+    assert len({round(r["loss"], 5) for r in rows}) == 1, rows
+    assert "| single | " in done.stdout
