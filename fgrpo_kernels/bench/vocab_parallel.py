@@ -4,9 +4,9 @@ the vocabulary on 1 or 2 CPU ranks (gloo), each rank one thread.
 Impls `ours_1rank` and `ours_2ranks` run the same code (`FusedLinearGRPOLoss` with
 `VocabParallel`) on every rank's shard of the case's workload (rank 0 holds ⌊V/2⌋ rows). The
 bench child spawns the ranks; each measures its own peak memory beyond its inputs (`PeakRSS`,
-reset after its shard is built) and times its runs between barriers. The row reports the
-slowest rank's median time, the largest rank's peak, the loss (the same on every rank and for
-both impls) and, in its note, the bytes each rank sent into collectives per call.
+reset after a warm-up on the first T/8 tokens) and times its runs between barriers. The row
+reports the slowest rank's median time, the largest rank's peak, the loss (the same on every
+rank and for both impls) and, in its note, the bytes each rank sent into collectives per call.
 """
 
 from __future__ import annotations
@@ -42,27 +42,32 @@ def _rank(rank: int, world: int, port: int, case, queue) -> None:
         w = Workload.make(case)
         lo, hi = _shard(case.vocab, rank, world)
         weight = w.weight.detach()[lo:hi].clone().requires_grad_(True)
-        hidden = w.hidden.detach().clone().requires_grad_(True)
-        del w.weight
+        w.weight = weight  # this rank's shard (the whole lm_head freed)
+        small = w.prefix()  # the first T/8 tokens of every completion, the same shard
+        w.hidden = w.hidden.detach().clone().requires_grad_(True)
         loss_fn = fk.FusedLinearGRPOLoss(
             "dapo", GRPO_BETA, EPS, EPS, vocab_parallel=fk.VocabParallel()
         )
 
-        def step() -> float:
-            loss, _ = loss_fn(hidden, weight, w.ids, w.mask, w.advantages,
-                              ref_per_token_logps=w.ref_logps)  # fmt: skip
+        def step(x) -> float:
+            loss, _ = loss_fn(x.hidden, weight, x.ids, x.mask, x.advantages,
+                              ref_per_token_logps=x.ref_logps)  # fmt: skip
             loss.backward()
-            hidden.grad = weight.grad = None
+            x.hidden.grad = weight.grad = None
             return float(loss.detach())
 
-        step()  # warm-up: resolves the layout, builds nothing else
+        # NB: the warm-up (layout resolved, code paths taken) runs on the small prefix, so that
+        # the full-size buffers are first allocated after the reset below and count in the peak
+        # (freed memory stays resident: a full-size warm-up would hide them)
+        step(small)
+        del small
         distributed.comm_bytes(reset=True)
         rss = PeakRSS()
         times, policy = [], case.policy
         for _ in range(max(policy.repeats, 1)):
             dist.barrier()
             t0 = time.perf_counter()
-            loss = step()
+            loss = step(w)
             times.append(time.perf_counter() - t0)
             if sum(times) >= policy.min_time_s:
                 break
