@@ -252,6 +252,9 @@ def _module_cases(G):
             old_per_token_logps=d["old"],
         )  # fmt: skip
 
+    def grpo_ref_hidden(m, h, w, b, ids, mask, d):  # the reference pass in the call
+        return m(h, w, ids, mask, d["adv"], b, ref_hidden=d["ref_hidden"])
+
     def gift(m, h, w, b, ids, mask, d):
         return m(h, w, ids, mask, d["rewards"], d["ref"], bias=b)
 
@@ -277,6 +280,8 @@ def _module_cases(G):
         ("grpo_grpo_sequence", lambda **o: fk.FusedLinearGRPOLoss(
             "grpo", 0.04, importance_sampling_level="sequence", **o), grpo),
         ("grpo_dr_grpo", lambda **o: fk.FusedLinearGRPOLoss("dr_grpo", 0.0, **o), grpo),
+        ("grpo_ref_hidden", lambda **o: fk.FusedLinearGRPOLoss("dapo", 0.1, **o),
+         grpo_ref_hidden),
         ("gift", lambda **o: fk.FusedLinearGIFTLoss(2, 1.0, **o), gift),
         ("fdo", lambda **o: fk.FusedLinearFDOLoss("pearson", 0.2, **o), fdo),
         ("fhal", lambda **o: fk.FusedLinearFHALLoss("js", 0.2, 0.3, num_generations=G, **o),
@@ -291,6 +296,7 @@ def _batch(B, T, H, V, seed):
     mask[-1, 3:] = 0
     return {
         "hidden": torch.randn(B, T, H, generator=gen),
+        "ref_hidden": torch.randn(B, T, H, generator=gen),
         "weight": torch.randn(V, H, generator=gen) * 0.3,
         "bias": torch.randn(V, generator=gen) * 0.1,
         "ids": torch.randint(0, V, (B, T), generator=gen),
