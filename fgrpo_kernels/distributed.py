@@ -16,6 +16,8 @@ target), hence its rows of dweight/dbias and a partial dhidden that is summed ov
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,10 @@ import torch.distributed as dist
 
 # Bytes moved by this module's collectives in this process, by collective (see `comm_bytes`).
 _COMM: dict[str, int] = {}
-_SHARDS: dict[tuple, Shard] = {}
+# Resolved layouts {(vocab_start, V_r): (start, V)} per process group, weakly keyed: the cache
+# never keeps a group alive past destroy_process_group (its gloo threads would then die at
+# interpreter exit, sometimes with SIGABRT), and a re-initialised default group starts afresh.
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -90,9 +95,17 @@ def resolve(vp: VocabParallel, local_vocab: int, device: torch.device) -> Shard:
         raise ValueError(
             f"vocab_parallel: expected vocab_start an int >= 0; got {vp.vocab_start!r}"
         )
-    key = (vp.group, vp.vocab_start, local_vocab, vp.reduce_hidden_grad)
-    if key in _SHARDS:
-        return _SHARDS[key]
+    layouts = _LAYOUTS.setdefault(dist.group.WORLD if vp.group is None else vp.group, {})
+    key = (vp.vocab_start, local_vocab)
+    if key not in layouts:
+        layouts[key] = _layout(vp, local_vocab, device)
+    start, total = layouts[key]
+    return Shard(vp.group, start, local_vocab, total, bool(vp.reduce_hidden_grad))
+
+
+def _layout(vp: VocabParallel, local_vocab: int, device: torch.device) -> tuple[int, int]:
+    """(this rank's vocab_start, the global V), from one all-gather of every rank's
+    (vocab_start, V_r); the shards must tile [0, V)."""
     world = dist.get_world_size(vp.group)
     start = -1 if vp.vocab_start is None else vp.vocab_start
     mine = torch.tensor([start, local_vocab], dtype=torch.int64, device=device)
@@ -116,10 +129,7 @@ def resolve(vp: VocabParallel, local_vocab: int, device: torch.device) -> Shard:
                 f"tile [0, V) without gaps or overlaps; got {sorted(zip(starts, sizes))}"
             )
         edge = s + n
-    rank = dist.get_rank(vp.group)
-    shard = Shard(vp.group, starts[rank], local_vocab, edge, bool(vp.reduce_hidden_grad))
-    _SHARDS[key] = shard
-    return shard
+    return starts[dist.get_rank(vp.group)], edge
 
 
 def owned_targets(targets: torch.Tensor, shard: Shard, ignore_index: int) -> torch.Tensor:
@@ -283,3 +293,24 @@ def gather_values(x: torch.Tensor, group) -> torch.Tensor:
     dist.all_gather_into_tensor(out, padded, group=group)
     pieces = out.view(world, -1)
     return torch.cat([pieces[r, : int(k)] for r, k in enumerate(lengths.tolist())])
+
+
+# ----------------------------------------------------------------------------- teardown
+
+
+def group_threads() -> list[str]:
+    """This process's threads of a process group (gloo, TCPStore), by name; [] where /proc
+    does not say. Left after destroy_process_group, they mean something still holds the group:
+    they are then torn down at interpreter exit, which aborts the process now and then."""
+    names = []
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(n for n in names if "gloo" in n or "tcpstore" in n)

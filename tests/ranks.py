@@ -5,12 +5,22 @@
 The children inherit the environment (TRITON_INTERPRET, FGRPO_BACKEND, ...), initialise the
 default process group and call `fn`; an exception in any rank fails the test with that rank's
 traceback, a hang fails it after `timeout` seconds.
+
+After destroy_process_group each rank checks that the group is gone: no gloo or TCPStore thread
+left (`fgrpo_kernels.distributed.group_threads`). A group that something still holds outlives
+destroy_process_group and is torn down at interpreter exit, where its threads abort the process
+now and then (SIGABRT, "terminate called without an active exception"; a CI run failed so).
+The check turns that into a named, deterministic failure. FSDP2 in torch 2.13 holds the default
+group itself: `torch_holds_group=True` skips the check and leaves with os._exit(0) instead, as
+`fgrpo train` does.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
+import sys
 import time
 import traceback
 
@@ -23,9 +33,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world, port, fn, args, errors):
+def _child(rank, world, port, fn, args, errors, torch_holds_group):
     import torch
     import torch.distributed as dist
+
+    from fgrpo_kernels.distributed import group_threads
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -35,20 +47,35 @@ def _child(rank, world, port, fn, args, errors):
         # NB: leave together; a rank tearing gloo down while its peer still talks aborts the
         # peer (SIGABRT from gloo's I/O thread)
         dist.barrier()
+        gc.collect()  # what fn left in reference cycles lets go of the group
+        dist.destroy_process_group()
+        left = group_threads()
+        assert torch_holds_group or not left, (
+            f"the process group outlived destroy_process_group (threads {left}): something "
+            "still holds it"
+        )
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put((time.monotonic(), rank, traceback.format_exc()))
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if torch_holds_group:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> None:
+def run_ranks(
+    fn, world: int, *args, timeout: float = 240.0, torch_holds_group: bool = False
+) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, world, port, fn, args, errors), daemon=True)
+        ctx.Process(
+            target=_child, args=(r, world, port, fn, args, errors, torch_holds_group), daemon=True
+        )
         for r in range(world)
     ]
     for p in procs:

@@ -253,6 +253,26 @@ def test_public_function_compiles_onto_the_ops():
     assert "fgrpo.logprob_fwd" in code and "fgrpo.logprob_bwd" in code, code
 
 
+def test_constant_mark_is_the_one_torch_sets():
+    """cpp.available carries torch.compiler.assume_constant_result's mark, set without importing
+    torch._dynamo (which, after init_process_group, pins the default group)."""
+    from fgrpo_kernels.cpu import cpp
+
+    def probe():
+        return True
+
+    def ours():
+        return True
+
+    before = set(vars(probe))
+    marked = torch.compiler.assume_constant_result(probe)
+    want = {k: v for k, v in vars(marked).items() if k not in before}
+    assert want, "torch's assume_constant_result sets no attribute any more"
+    got = vars(cpp.constant_under_compile(ours))
+    assert {k: got.get(k) for k in want} == want
+    assert all(getattr(cpp.available, k, None) == v for k, v in want.items())
+
+
 def test_fake_kernels_match_real_ones():
     h, w, y, b, g = make_inputs(2, 9, 8, 40, torch.bfloat16, torch.bfloat16, True, -100, 0.2)
     torch.library.opcheck(torch.ops.fgrpo.logprob_fwd.default, (h, w, y, b, 0.9, -100, True))

@@ -231,7 +231,7 @@ def _fsdp_ranks(rank, world):
 @pytest.mark.parametrize("backend", ["cpp"])
 def test_fsdp2_dtensor_lm_head(backend, monkeypatch):
     monkeypatch.setenv("FGRPO_BACKEND", "cpu")
-    run_ranks(_fsdp_ranks, 2)
+    run_ranks(_fsdp_ranks, 2, torch_holds_group=True)  # FSDP2 (tests/ranks.py)
 
 
 # ----------------------------------------------------------------------------- loss modules
@@ -392,3 +392,32 @@ def test_readme_distributed_example_runs_on_two_ranks():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     (source,) = re.findall(r"<!-- distributed-example -->\n```python\n(.*?)```", readme, re.S)
     run_ranks(_readme_example, 2, source)
+
+
+def _fresh_process_calls(rank, world):
+    import sys
+
+    # the C++ ops, torch._dynamo and torch.distributed.nn load during the calls below, after
+    # init_process_group: the case that held the group (tests/ranks.py then checks it is gone)
+    assert "torch.distributed.nn.functional" not in sys.modules
+    assert "fgrpo_kernels.cpu.cpp" not in sys.modules
+    _use("cpp")
+    group = dist.new_group([0, 1])  # an explicit group: the vocab-parallel layout cache's key
+    d = _batch(4, 5, 7, 29, seed=2)
+    lo, hi = shard_bounds(29, rank, world)
+    for _, make, call in _module_cases(G=2)[2:3]:  # GRPO dapo with the entropy terms
+        _run_module(
+            make, call, d, slice(None), d["weight"][lo:hi], d["bias"][lo:hi],
+            vocab_parallel=fk.VocabParallel(group=group),
+        )  # fmt: skip
+        rows = slice(rank * 2, rank * 2 + 2)
+        _run_module(make, call, d, rows, d["weight"], d["bias"], process_group=group)
+    dist.destroy_process_group(group)
+
+
+def test_regression_fused_calls_never_hold_the_process_group():
+    """The C++ backend's first load imported torch._dynamo, whose import of
+    torch.distributed.nn.functional after init_process_group held the default group past
+    destroy_process_group (default arguments group=group.WORLD); its gloo threads then aborted
+    one rank in six at interpreter exit. The vocab-parallel layout cache held explicit groups."""
+    run_ranks(_fresh_process_calls, 2)

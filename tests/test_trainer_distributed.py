@@ -193,4 +193,33 @@ def _update_on_each_rank(rank, world):
 
 
 def test_ranks_hold_identical_parameters_after_an_update_and_fsdp_equals_ddp():
-    run_ranks(_update_on_each_rank, 2, timeout=240)
+    run_ranks(_update_on_each_rank, 2, timeout=240, torch_holds_group=True)  # FSDP2
+
+
+_LEAVE = """
+import os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+from fgrpo_kernels.trainer import parallel
+assert parallel.init(parallel.Launch(0, 1, 0))
+import torch
+import torch._dynamo  # what the model's first forward and fully_shard import, after init
+from torch.distributed.fsdp import fully_shard
+if sys.argv[2] == "fsdp":
+    fully_shard(torch.nn.Linear(3, 4))
+print(parallel.shutdown(True))
+"""
+
+
+@pytest.mark.parametrize(("mode", "gone"), [("ddp", "True"), ("fsdp", "False")])
+def test_regression_the_trainers_group_ends_with_it(mode, gone):
+    """torch._dynamo and torch.distributed.fsdp imported after init_process_group held the
+    default group past destroy_process_group (torch.distributed.nn.functional's default
+    arguments): its threads then met the interpreter's teardown, which aborts now and then.
+    `parallel.init` imports them first; FSDP2 still holds the group, which `shutdown` reports so
+    that `fgrpo train` leaves with os._exit."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LEAVE, str(free_port()), mode],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [gone], done.stdout

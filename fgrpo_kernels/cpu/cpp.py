@@ -218,7 +218,20 @@ def _register_fakes() -> None:
         return None
 
 
-@torch.compiler.assume_constant_result  # NB: torch.compile runs it eagerly, never traces the build
+def constant_under_compile(fn):
+    """Mark `fn` as `torch.compiler.assume_constant_result` does (torch.compile calls it eagerly
+    and keeps its result, so it never traces the build), without that function's import of
+    torch._dynamo. This module loads on the first fused call, usually after
+    init_process_group, and torch._dynamo imported then pulls in torch.distributed.nn.functional,
+    whose default arguments (group=group.WORLD) keep the default process group alive past
+    destroy_process_group: its gloo threads then die at interpreter exit, sometimes with SIGABRT.
+    tests/test_distributed.py checks that no fused call keeps a group alive, and
+    tests/test_cpp_backend.py that the mark is the one torch's decorator sets."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_under_compile
 def available() -> bool:
     """Build (first use) and load the ops, once per process; whether that worked."""
     if "error" not in _state:

@@ -14,6 +14,7 @@ Ctrl-C finishes the step and writes final/, the summary and the plots (exit 130)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import fields
@@ -197,8 +198,13 @@ def _run(explicit: dict) -> int:
         code, together = _train(*checked, rank)
     else:
         code, together = (fail(error) if rank == 0 else 2), True
-    if together:  # else a peer may be waiting in a collective: exiting lets torchrun end it
-        parallel.shutdown(owned)
+    # a peer may be waiting in a collective unless `together`: exiting lets torchrun end it
+    if together and not parallel.shutdown(owned):
+        # the group outlived destroy_process_group (FSDP2): leave before the interpreter's
+        # teardown meets its threads. The run folder is written and closed by now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

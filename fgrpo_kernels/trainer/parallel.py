@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import distributed
 from . import hf
 
 
@@ -46,6 +47,13 @@ def init(launch: Launch) -> bool:
     is already initialised (the caller's, which it keeps)."""
     if dist.is_initialized():
         return False
+    # NB: torch.distributed.nn.functional's default arguments read group.WORLD when it is first
+    # imported; torch._dynamo and torch.distributed.fsdp import it. Imported after init (by the
+    # model's first forward, or by fully_shard) it would hold the default group past
+    # destroy_process_group, and the group's threads would die at interpreter exit (SIGABRT).
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
     if torch.cuda.is_available():
         torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=launch.rank, world_size=launch.world)
@@ -64,12 +72,17 @@ def first_error(message: str | None) -> str | None:
     return next((m for m in every if m is not None), None)
 
 
-def shutdown(owned: bool) -> None:
+def shutdown(owned: bool) -> bool:
     """Leave together (a rank tearing the group down while a peer still talks aborts the peer),
-    then destroy the group if `init` made it."""
+    then destroy the group if `init` made it. False when the group outlives that: its threads
+    are still running (FSDP2 in torch 2.13 keeps a reference to the default group), and would
+    be torn down at interpreter exit, which aborts the process now and then; the caller then
+    leaves with os._exit."""
     if owned and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        return not distributed.group_threads()
+    return True
 
 
 @dataclass(frozen=True)
