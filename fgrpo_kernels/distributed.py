@@ -17,6 +17,7 @@ target), hence its rows of dweight/dbias and a partial dhidden that is summed ov
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -213,11 +214,10 @@ class _GatherRows(torch.autograd.Function):
 
 
 def is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(t, DTensor)
+    # NB: no DTensor exists before torch.distributed.tensor is imported, and importing it here
+    # would load sympy and torch.fx into every process on its first fused call (~70 MiB)
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def gather_dtensor(t, arg: str) -> torch.Tensor:

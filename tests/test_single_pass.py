@@ -397,3 +397,28 @@ def test_peak_memory_is_the_gradients_plus_the_buffer():
     assert single["pass"] == "single" and two["pass"].startswith("two-pass")
     assert single["extra_mib"] <= two["extra_mib"] + 4, (single, two)
     assert single["extra_mib"] < 64, single
+
+
+FIRST_CALL = r"""
+import json, sys, torch
+import fgrpo_kernels as fk
+
+fk.cpu_backend()
+h, w = torch.randn(2, 5, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
+ids = torch.randint(0, 40, (2, 5))
+loss, _ = fk.FusedLinearGRPOLoss("dapo", 0.0)(h, w, ids, torch.ones(2, 5), torch.randn(2))
+loss.backward()
+heavy = ("sympy", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.nn")
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] == "sympy" or m in heavy)))
+"""
+
+
+def test_regression_the_first_call_imports_no_torch_subsystem():
+    """`is_dtensor` imported torch.distributed.tensor (sympy, torch.fx: ~70 MiB) on every
+    process's first fused call, where test_peak_memory_is_the_gradients_plus_the_buffer counted
+    it (84 MiB against its 64), and the C++ backend's load imported torch._dynamo, which after
+    init_process_group holds the default group (tests/test_distributed.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FGRPO_BACKEND")}
+    out = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True,
+                         text=True, timeout=300, check=True)  # fmt: skip
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
