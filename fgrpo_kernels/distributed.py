@@ -298,6 +298,24 @@ def gather_values(x: torch.Tensor, group) -> torch.Tensor:
 # ----------------------------------------------------------------------------- teardown
 
 
+def leave() -> list[str]:
+    """Leave together (a rank tearing gloo down while a peer still talks aborts the peer) and
+    destroy the default process group. Returns the group's threads still running after that
+    (`group_threads`): non-empty when something still holds the group (FSDP2 in torch 2.13
+    does), and the process should then end with `exit_now` before the interpreter's teardown
+    meets them."""
+    dist.barrier()
+    dist.destroy_process_group()
+    return group_threads()
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` past the interpreter's teardown (stdout/stderr flushed)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def group_threads() -> list[str]:
     """This process's threads of a process group (gloo, TCPStore), by name; [] where /proc
     does not say. Left after destroy_process_group, they mean something still holds the group:

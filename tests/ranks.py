@@ -7,7 +7,7 @@ default process group and call `fn`; an exception in any rank fails the test wit
 traceback, a hang fails it after `timeout` seconds.
 
 After destroy_process_group each rank checks that the group is gone: no gloo or TCPStore thread
-left (`fgrpo_kernels.distributed.group_threads`). A group that something still holds outlives
+left (`fgrpo_kernels.distributed.leave`). A group that something still holds outlives
 destroy_process_group and is torn down at interpreter exit, where its threads abort the process
 now and then (SIGABRT, "terminate called without an active exception"; a CI run failed so).
 The check turns that into a named, deterministic failure. FSDP2 in torch 2.13 holds the default
@@ -20,7 +20,6 @@ from __future__ import annotations
 import gc
 import os
 import socket
-import sys
 import time
 import traceback
 
@@ -37,19 +36,15 @@ def _child(rank, world, port, fn, args, errors, torch_holds_group):
     import torch
     import torch.distributed as dist
 
-    from fgrpo_kernels.distributed import group_threads
+    from fgrpo_kernels.distributed import exit_now, leave
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
-        # NB: leave together; a rank tearing gloo down while its peer still talks aborts the
-        # peer (SIGABRT from gloo's I/O thread)
-        dist.barrier()
         gc.collect()  # what fn left in reference cycles lets go of the group
-        dist.destroy_process_group()
-        left = group_threads()
+        left = leave()
         assert torch_holds_group or not left, (
             f"the process group outlived destroy_process_group (threads {left}): something "
             "still holds it"
@@ -61,9 +56,7 @@ def _child(rank, world, port, fn, args, errors, torch_holds_group):
         if dist.is_initialized():
             dist.destroy_process_group()
     if torch_holds_group:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_now(0)
 
 
 def run_ranks(

@@ -397,21 +397,21 @@ def test_readme_distributed_example_runs_on_two_ranks():
 def _fresh_process_calls(rank, world):
     import sys
 
-    # the C++ ops, torch._dynamo and torch.distributed.nn load during the calls below, after
-    # init_process_group: the case that held the group (tests/ranks.py then checks it is gone)
+    # the C++ ops load during the calls below, after init_process_group (they used to import
+    # torch._dynamo and with it torch.distributed.nn): tests/ranks.py then checks the group is gone
     assert "torch.distributed.nn.functional" not in sys.modules
     assert "fgrpo_kernels.cpu.cpp" not in sys.modules
     _use("cpp")
     group = dist.new_group([0, 1])  # an explicit group: the vocab-parallel layout cache's key
     d = _batch(4, 5, 7, 29, seed=2)
     lo, hi = shard_bounds(29, rank, world)
-    for _, make, call in _module_cases(G=2)[2:3]:  # GRPO dapo with the entropy terms
-        _run_module(
-            make, call, d, slice(None), d["weight"][lo:hi], d["bias"][lo:hi],
-            vocab_parallel=fk.VocabParallel(group=group),
-        )  # fmt: skip
-        rows = slice(rank * 2, rank * 2 + 2)
-        _run_module(make, call, d, rows, d["weight"], d["bias"], process_group=group)
+    _, make, call = _module_cases(G=2)[2]  # GRPO dapo with the entropy terms
+    _run_module(
+        make, call, d, slice(None), d["weight"][lo:hi], d["bias"][lo:hi],
+        vocab_parallel=fk.VocabParallel(group=group),
+    )  # fmt: skip
+    rows = slice(rank * 2, rank * 2 + 2)
+    _run_module(make, call, d, rows, d["weight"], d["bias"], process_group=group)
     dist.destroy_process_group(group)
 
 

@@ -14,7 +14,6 @@ Ctrl-C finishes the step and writes final/, the summary and the plots (exit 130)
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import fields
@@ -202,9 +201,9 @@ def _run(explicit: dict) -> int:
     if together and not parallel.shutdown(owned):
         # the group outlived destroy_process_group (FSDP2): leave before the interpreter's
         # teardown meets its threads. The run folder is written and closed by now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        from ..distributed import exit_now
+
+        exit_now(code)
     return code
 
 

@@ -77,11 +77,9 @@ def shutdown(owned: bool) -> bool:
     then destroy the group if `init` made it. False when the group outlives that: its threads
     are still running (FSDP2 in torch 2.13 keeps a reference to the default group), and would
     be torn down at interpreter exit, which aborts the process now and then; the caller then
-    leaves with os._exit."""
+    leaves with `distributed.exit_now`."""
     if owned and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-        return not distributed.group_threads()
+        return not distributed.leave()
     return True
 
 
