@@ -52,10 +52,21 @@ def test_cpu_path_peak_memory_is_far_below_one_logits_tensor(what):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
 def test_peak_rss_sees_a_freed_allocation():
-    from fgrpo_kernels.bench.process_memory import PeakRSS
+    """In a fresh process, as every figure is measured. Inside the pytest process, after 1,300
+    other tests, it once read 0 in CI (not reproduced alone in 5 runs; the likeliest cause is
+    the allocator serving the block from memory earlier tests freed, not confirmed)."""
+    out = subprocess.run([sys.executable, "-c", FREED], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    extra = int(out.stdout.strip().splitlines()[-1])
+    assert 90 * 2**20 <= extra < 200 * 2**20, extra
 
-    peak = PeakRSS()
-    block = bytearray(96 * 2**20)  # zero-filled pages, touched: resident
-    block[::4096] = b"\x01" * len(block[::4096])
-    del block
-    assert 90 * 2**20 <= peak.extra() < 200 * 2**20
+
+FREED = r"""
+from fgrpo_kernels.bench.process_memory import PeakRSS
+
+peak = PeakRSS()
+block = bytearray(96 * 2**20)  # zero-filled pages, touched: resident
+block[::4096] = b"\x01" * len(block[::4096])
+del block
+print(peak.extra())
+"""
