@@ -2,10 +2,11 @@
 
     python bench/compile_report.py [--arch 90|80|all] [--quick] [--csv PATH]
 
-Compiles every autotune candidate of `fgrpo_kernels.kernels.configs.CANDIDATES` for its dtype
-variants (with and without bias, entropy on and off), the single pass's row kernels
+Compiles every autotune candidate of `fgrpo_kernels.backends.triton.configs.CANDIDATES` for
+its dtype variants (with and without bias, entropy on and off), the single pass's row kernels
 (`kernels.logits_rows`, `configs.ROW_CONFIG`) for fp32, bf16 and fp16 with and without bias
-and entropy, and every loss-epilogue configuration of `fgrpo_kernels.kernels.epilogue.AOT_SPECS`,
+and entropy, and every loss-epilogue configuration of
+`fgrpo_kernels.backends.triton.epilogue.AOT_SPECS`,
 with `triton.compile(ASTSource(...), target=GPUTarget(...))`, then runs `ptxas -v`
 (ptxas-blackwell, -arch=sm_90a / sm_80) on the PTX. Needs no GPU, but real JITFunctions:
 TRITON_INTERPRET is forced to 0 before the kernels are imported. --quick: every candidate of
@@ -36,14 +37,14 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fgrpo_kernels.kernels import configs  # noqa: E402
-from fgrpo_kernels.kernels.epilogue import AOT_SPECS  # noqa: E402
-from fgrpo_kernels.kernels.logits_rows import (  # noqa: E402
+from fgrpo_kernels.backends.triton import configs  # noqa: E402
+from fgrpo_kernels.backends.triton.epilogue import AOT_SPECS  # noqa: E402
+from fgrpo_kernels.backends.triton.logits_rows import (  # noqa: E402
     _logits_grad_kernel,
     _logits_stats_kernel,
 )
-from fgrpo_kernels.kernels.logprob_bwd import _logprob_bwd_kernel  # noqa: E402
-from fgrpo_kernels.kernels.logprob_fwd import _logprob_fwd_kernel  # noqa: E402
+from fgrpo_kernels.backends.triton.logprob_bwd import _logprob_bwd_kernel  # noqa: E402
+from fgrpo_kernels.backends.triton.logprob_fwd import _logprob_fwd_kernel  # noqa: E402
 
 BIN = Path(triton.backends.nvidia.__file__).parent / "bin"
 ARCHS = {"90": ("sm_90a", 90), "80": ("sm_80", 80)}

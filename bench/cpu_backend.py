@@ -26,7 +26,7 @@ import torch
 
 import fgrpo_kernels
 from fgrpo_kernels import fused_linear_logprobs, reference
-from fgrpo_kernels.bench.process_memory import PeakRSS
+from fgrpo_kernels.benchmarks.process_memory import PeakRSS
 
 IMPLS = ("cpp", "chunked", "eager", "liger")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -897,7 +897,7 @@ def all_cases() -> list[Case]:
 
 def run_cases(cases: list[Case], verbose: bool = False) -> list[Result]:
     if any(c.group == "raw ops" for c in cases):
-        from fgrpo_kernels.cpu import cpp
+        from fgrpo_kernels.backends.cpu import cpp
 
         if not cpp.available():
             print(f"raw ops unavailable: {cpp.build_error()}", file=sys.stderr)

@@ -59,7 +59,7 @@ import gpu_correctness  # noqa: E402
 import gpu_timing  # noqa: E402
 import torch  # noqa: E402
 
-from fgrpo_kernels.kernels import autotune, gemm  # noqa: E402
+from fgrpo_kernels.backends.triton import autotune, gemm  # noqa: E402
 
 CORRECTNESS_COLUMNS = ("case", "dtype", "weight_dtype", "N", "H", "V", "bias", "temperature",
                        "entropy", "quantity", "rel_err", "floor", "tol", "ok",

@@ -21,7 +21,7 @@ import torch
 
 import fgrpo_kernels
 from fgrpo_kernels import reference
-from fgrpo_kernels.kernels import configs
+from fgrpo_kernels.backends.triton import configs
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DT = {F32: "fp32", BF16: "bf16", F16: "fp16"}
@@ -198,7 +198,7 @@ def grpo_single_pass(p: Problem, hidden, weight, bias, targets, max_chunk_bytes)
 def single_pass(p: Problem, dev) -> list[dict]:
     hidden, weight, bias, targets, _ = make_inputs(p, dev)
     if p.chunk_rows:
-        from fgrpo_kernels.kernels import bytes_per_row
+        from fgrpo_kernels.backends.triton import bytes_per_row
 
         budget = p.chunk_rows * bytes_per_row(hidden, p.V)
     else:

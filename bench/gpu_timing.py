@@ -20,7 +20,7 @@ import time
 import torch
 
 import fgrpo_kernels
-from fgrpo_kernels.kernels import autotune
+from fgrpo_kernels.backends.triton import autotune
 
 
 def ours(hidden, weight, targets):

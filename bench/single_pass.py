@@ -4,7 +4,7 @@
                                 [--impls two_pass,single,eager,liger] [--out results.json]
 
 GRPO "dapo" (β 0.04, ε 0.2, reference log-probs given), fp32, forward + backward, the
-workload of `fgrpo bench` (`fgrpo_kernels.bench.peers`). Every measurement is a fresh process
+workload of `fgrpo bench` (`fgrpo_kernels.benchmarks.peers`). Every measurement is a fresh process
 (`--child`) with the same thread count (OMP/MKL and torch); rounds interleave the
 implementations so that a drifting machine load hits them alike. In the child: the inputs are
 built and the backend loaded (the C++ library is a one-time ~150 MiB of the process, not of a
@@ -39,10 +39,10 @@ def child(impl: str, N: int, V: int, H: int, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     import fgrpo_kernels
-    from fgrpo_kernels.bench.peers import PEERS
-    from fgrpo_kernels.bench.presets import Case
-    from fgrpo_kernels.bench.process_memory import PeakRSS
-    from fgrpo_kernels.bench.workload import Workload, run_step
+    from fgrpo_kernels.benchmarks.peers import PEERS
+    from fgrpo_kernels.benchmarks.presets import Case
+    from fgrpo_kernels.benchmarks.process_memory import PeakRSS
+    from fgrpo_kernels.benchmarks.workload import Workload, run_step
 
     peer = PEERS[IMPLS[impl][0]]
     case = Case(IMPLS[impl][0], "grpo", "fwd+bwd", N, V, H, "float32", "cpu")

@@ -4,7 +4,7 @@
 
 A Qwen2-shaped model (V 151,936) with completions of 4k to 32k tokens: stock TRL, TRL with
 Liger's fused GRPO loss, our TRL drop-in and the backbone alone, each case in a fresh process
-(see fgrpo_kernels/bench/train_step.py).
+(see fgrpo_kernels/benchmarks/train_step.py).
 """
 
 import sys

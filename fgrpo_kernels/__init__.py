@@ -2,14 +2,14 @@
 
 __version__ = "0.1.0"
 
-from . import reference
-from .cpu import cpu_backend
-from .distributed import VocabParallel
-from .divergences import Divergence
-from .logprobs import fused_linear_logprobs
-from .losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
-from .losses_preference import FusedLinearFDOLoss, FusedLinearFHALLoss
-from .reference import group_normalize
+from .backends.cpu import cpu_backend
+from .backends.distributed import VocabParallel
+from .core import reference
+from .core.divergences import Divergence
+from .core.reference import group_normalize
+from .head.logprobs import fused_linear_logprobs
+from .losses.modules import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
+from .losses.preference import FusedLinearFDOLoss, FusedLinearFHALLoss
 
 __all__ = [
     "Divergence",

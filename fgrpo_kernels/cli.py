@@ -11,7 +11,10 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "bench": ("fgrpo_kernels.bench.cli", "memory and speed against PyTorch, torch.compile, Liger"),
+    "bench": (
+        "fgrpo_kernels.benchmarks.cli",
+        "memory and speed against PyTorch, torch.compile, Liger",
+    ),
     "train": ("fgrpo_kernels.trainer.cli", "train a causal LM with a GRPO-family loss"),
 }
 

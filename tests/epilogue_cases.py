@@ -7,11 +7,11 @@ import torch
 from hypothesis import HealthCheck
 from hypothesis import strategies as st
 
-from fgrpo_kernels import epilogue as E
-from fgrpo_kernels import grpo_math
-from fgrpo_kernels import options as O
 from fgrpo_kernels import reference as R
+from fgrpo_kernels.core import grpo_math
+from fgrpo_kernels.core import options as O
 from fgrpo_kernels.divergences import TABLE, Divergence
+from fgrpo_kernels.losses import epilogue as E
 from fgrpo_kernels.testing import Batch, rel_error
 
 # Errors are ||got − want|| / max(||want||, floor). The losses are means of O(1) unit costs

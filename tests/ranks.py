@@ -7,7 +7,7 @@ default process group and call `fn`; an exception in any rank fails the test wit
 traceback, a hang fails it after `timeout` seconds.
 
 After destroy_process_group each rank checks that the group is gone: no gloo or TCPStore thread
-left (`fgrpo_kernels.distributed.leave`). A group that something still holds outlives
+left (`fgrpo_kernels.backends.distributed.leave`). A group that something still holds outlives
 destroy_process_group and is torn down at interpreter exit, where its threads abort the process
 now and then (SIGABRT, "terminate called without an active exception"; a CI run failed so).
 The check turns that into a named, deterministic failure. FSDP2 in torch 2.13 holds the default
@@ -36,7 +36,7 @@ def _child(rank, world, port, fn, args, errors, torch_holds_group):
     import torch
     import torch.distributed as dist
 
-    from fgrpo_kernels.distributed import exit_now, leave
+    from fgrpo_kernels.backends.distributed import exit_now, leave
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fgrpo_kernels
-from fgrpo_kernels.kernels import autotune, configs
+from fgrpo_kernels.backends.triton import autotune, configs
 from tests.test_logprob_triton import check_against_reference, make_inputs, rel_err, run_reference
 
 KEY_DTYPES = {

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fgrpo_kernels
-from fgrpo_kernels.kernels import configs
+from fgrpo_kernels.backends.triton import configs
 from tests.test_logprob_triton import KC, check_against_reference, make_inputs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import torch
 
 import fgrpo_kernels
 from fgrpo_kernels import reference
-from fgrpo_kernels.kernels import configs
-from fgrpo_kernels.kernels.logprob_bwd import STRIP_EXP, strip_scale
+from fgrpo_kernels.backends.triton import configs
+from fgrpo_kernels.backends.triton.logprob_bwd import STRIP_EXP, strip_scale
 from tests.test_logprob_triton import KC, rel_err
 
 BACKENDS = ("triton", "cpp", "torch")

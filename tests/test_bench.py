@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from fgrpo_kernels import cli, cpu_backend
-from fgrpo_kernels.bench import measure, report
-from fgrpo_kernels.bench.presets import PRESETS, Case, Policy
+from fgrpo_kernels.benchmarks import measure, report
+from fgrpo_kernels.benchmarks.presets import PRESETS, Case, Policy
 
 REQUIRED = (
     "impl",

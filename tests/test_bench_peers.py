@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from fgrpo_kernels import reference
-from fgrpo_kernels.bench import measure
-from fgrpo_kernels.bench.peers import PEERS
-from fgrpo_kernels.bench.presets import PRESETS, Case, Policy
-from fgrpo_kernels.bench.workload import FGRPO_BETA, GRPO_BETA, Workload, run_step
+from fgrpo_kernels.benchmarks import measure
+from fgrpo_kernels.benchmarks.peers import PEERS
+from fgrpo_kernels.benchmarks.presets import PRESETS, Case, Policy
+from fgrpo_kernels.benchmarks.workload import FGRPO_BETA, GRPO_BETA, Workload, run_step
 
 # peer: the module its adapter imports (skipped where the peer is not installed)
 NEEDS = {
@@ -142,7 +142,7 @@ def test_train_memory_preset_is_qwen2_vocab_4k_to_32k_tokens_per_sequence():
 def test_train_step_variants_compute_one_loss(vllm_is, bias_kl):
     pytest.importorskip("trl")
     pytest.importorskip("liger_kernel")
-    from fgrpo_kernels.bench.train_step import TrainStepJob
+    from fgrpo_kernels.benchmarks.train_step import TrainStepJob
 
     grads, losses = {}, {}
     for impl in ("trl", "trl_liger", "ours"):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from fgrpo_kernels.bench.plots import STYLE, figure
-from fgrpo_kernels.bench.report import COLUMNS
-from fgrpo_kernels.bench.workload import memory_floor
+from fgrpo_kernels.benchmarks.plots import STYLE, figure
+from fgrpo_kernels.benchmarks.report import COLUMNS
+from fgrpo_kernels.benchmarks.workload import memory_floor
 
 pytest.importorskip("matplotlib")
 

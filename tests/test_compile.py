@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fgrpo_kernels.kernels import configs
+from fgrpo_kernels.backends.triton import configs
 
 ROOT = Path(__file__).resolve().parents[1]
 

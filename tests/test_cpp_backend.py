@@ -15,10 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fgrpo_kernels
-from fgrpo_kernels import cpu, fused_linear_logprobs, reference
-from fgrpo_kernels.autograd import LinearLogProbFunction
-from fgrpo_kernels.cpu import chunked, cpp
-from fgrpo_kernels.options import LogProbOptions
+from fgrpo_kernels import fused_linear_logprobs, reference
+from fgrpo_kernels.backends import cpu
+from fgrpo_kernels.backends.cpu import chunked, cpp
+from fgrpo_kernels.core.options import LogProbOptions
+from fgrpo_kernels.head.autograd import LinearLogProbFunction
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 ROOT = Path(__file__).resolve().parents[1]
@@ -256,7 +257,7 @@ def test_public_function_compiles_onto_the_ops():
 def test_constant_mark_is_the_one_torch_sets():
     """cpp.available carries torch.compiler.assume_constant_result's mark, set without importing
     torch._dynamo (which, after init_process_group, pins the default group)."""
-    from fgrpo_kernels.cpu import cpp
+    from fgrpo_kernels.backends.cpu import cpp
 
     def probe():
         return True

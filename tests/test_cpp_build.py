@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fgrpo_kernels.cpu import cpp
+from fgrpo_kernels.backends.cpu import cpp
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(
@@ -130,7 +130,7 @@ def _run(root: Path, ext: Path) -> tuple[str, list[str]]:
     )
     code = (
         "import torch, fgrpo_kernels as f\n"
-        "from fgrpo_kernels.cpu import cpp\n"
+        "from fgrpo_kernels.backends.cpu import cpp\n"
         "y = f.fused_linear_logprobs(torch.ones(2, 3), torch.eye(4, 3), torch.tensor([0, 1]))\n"
         "print(cpp.csrc_dir(), round(float(y.sum()), 5))\n"
     )

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import fgrpo_kernels as fk
-from fgrpo_kernels import distributed
+from fgrpo_kernels.backends import distributed
 
 from .ranks import run_ranks
 
@@ -400,7 +400,7 @@ def _fresh_process_calls(rank, world):
     # the C++ ops load during the calls below, after init_process_group (they used to import
     # torch._dynamo and with it torch.distributed.nn): tests/ranks.py then checks the group is gone
     assert "torch.distributed.nn.functional" not in sys.modules
-    assert "fgrpo_kernels.cpu.cpp" not in sys.modules
+    assert "fgrpo_kernels.backends.cpu.cpp" not in sys.modules
     _use("cpp")
     group = dist.new_group([0, 1])  # an explicit group: the vocab-parallel layout cache's key
     d = _batch(4, 5, 7, 29, seed=2)

@@ -5,9 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fgrpo_kernels.backends.triton import tl_divergences
+from fgrpo_kernels.backends.triton.tl_divergences import TWINS, phi_constexprs, tl_phi
 from fgrpo_kernels.divergences import TABLE, Divergence
-from fgrpo_kernels.kernels import tl_divergences
-from fgrpo_kernels.kernels.tl_divergences import TWINS, phi_constexprs, tl_phi
 
 BLOCK = 1024
 GRID = torch.cat(

@@ -1,6 +1,6 @@
 """The Triton loss epilogue (interpreted) against the PyTorch path and the float64 reference.
 
-Each case runs `fgrpo_kernels.epilogue.<loss>` twice on the same fp32 log-probs, with
+Each case runs `fgrpo_kernels.losses.epilogue.<loss>` twice on the same fp32 log-probs, with
 FGRPO_BACKEND=triton and =cpu, and the float64 reference's autograd on a float64 copy; the loss
 and dL/dlogp must agree within 1e-5 relative (GIFT 1e-4). Shapes are tiny: the interpreter runs
 every program in Python.
@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fgrpo_kernels import epilogue as E
-from fgrpo_kernels import options as O
 from fgrpo_kernels import reference as R
+from fgrpo_kernels.backends.triton import epilogue_common
+from fgrpo_kernels.core import options as O
 from fgrpo_kernels.divergences import Divergence
-from fgrpo_kernels.kernels import epilogue_common
+from fgrpo_kernels.losses import epilogue as E
 from fgrpo_kernels.testing import batches
 
 from .epilogue_cases import (

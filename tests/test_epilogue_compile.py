@@ -2,7 +2,7 @@
 
 The interpreter (TRITON_INTERPRET=1, set by conftest) accepts code the compiler rejects, and the
 interpret decision is taken when `@triton.jit` decorates, so the compile runs in a subprocess
-with TRITON_INTERPRET=0 over `fgrpo_kernels.kernels.epilogue.AOT_SPECS`.
+with TRITON_INTERPRET=0 over `fgrpo_kernels.backends.triton.epilogue.AOT_SPECS`.
 """
 
 import json
@@ -17,7 +17,7 @@ COMPILE_ALL = r"""
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from fgrpo_kernels.kernels.epilogue import AOT_SPECS
+from fgrpo_kernels.backends.triton.epilogue import AOT_SPECS
 
 results = {}
 for spec in AOT_SPECS:
@@ -61,8 +61,8 @@ def test_every_aot_spec_compiles_for_sm90():
 
 
 def test_aot_specs_cover_every_kernel_and_divergence():
+    from fgrpo_kernels.backends.triton import epilogue
     from fgrpo_kernels.divergences import TABLE
-    from fgrpo_kernels.kernels import epilogue
 
     names = {spec["name"] for spec in epilogue.AOT_SPECS}
     for spec in TABLE.values():

@@ -4,11 +4,11 @@ against the float64 reference and the PyTorch path; see epilogue_cases.check."""
 import pytest
 import torch
 
-from fgrpo_kernels import epilogue as E
-from fgrpo_kernels import grpo_math
-from fgrpo_kernels import options as O
 from fgrpo_kernels import reference as R
+from fgrpo_kernels.core import grpo_math
+from fgrpo_kernels.core import options as O
 from fgrpo_kernels.divergences import Divergence
+from fgrpo_kernels.losses import epilogue as E
 
 from .epilogue_cases import (
     DIVS,

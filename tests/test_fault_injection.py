@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 import fgrpo_kernels as fk
 from fgrpo_kernels import reference
-from fgrpo_kernels.cpu import chunked, cpp
+from fgrpo_kernels.backends.cpu import chunked, cpp
+from fgrpo_kernels.core.validation import MIN_TEMPERATURE
 from fgrpo_kernels.divergences import sat_exp
-from fgrpo_kernels.validation import MIN_TEMPERATURE
 
 INF = float("inf")
 BACKENDS = ("cpp", "torch", "triton")

@@ -8,10 +8,10 @@ import importlib
 import pytest
 import torch
 
-from fgrpo_kernels.kernels import configs
+from fgrpo_kernels.backends.triton import configs
 from tests.test_logprob_triton import KC, check_against_reference, make_inputs, rel_err
 
-gemm = importlib.import_module("fgrpo_kernels.kernels.gemm")
+gemm = importlib.import_module("fgrpo_kernels.backends.triton.gemm")
 
 
 def operands(dtype, seed=0):

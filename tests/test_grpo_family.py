@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import fgrpo_kernels as fk
 from fgrpo_kernels import reference as R
+from fgrpo_kernels.core.options import LOSS_TYPE_SPECS, GRPOOptions, LossType
 from fgrpo_kernels.divergences import NAMES
-from fgrpo_kernels.options import LOSS_TYPE_SPECS, GRPOOptions, LossType
 from fgrpo_kernels.testing import batches
 
 from . import naive

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from fgrpo_kernels import reference as R
+from fgrpo_kernels.core.options import LOSS_TYPE_SPECS, LossType, name_of
 from fgrpo_kernels.integrations.liger import LigerFusedLinearGRPOLoss, liger_fused_linear_grpo
-from fgrpo_kernels.options import LOSS_TYPE_SPECS, LossType, name_of
 from fgrpo_kernels.testing import rel_error
 
 liger = pytest.importorskip("liger_kernel.chunked_loss")

@@ -12,11 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fgrpo_kernels
 from fgrpo_kernels import reference
-from fgrpo_kernels.kernels import configs, launch
+from fgrpo_kernels.backends.triton import configs, launch
 
 # the package exports the launchers under the modules' names: fetch the modules themselves
-logprob_fwd = importlib.import_module("fgrpo_kernels.kernels.logprob_fwd")
-logprob_bwd = importlib.import_module("fgrpo_kernels.kernels.logprob_bwd")
+logprob_fwd = importlib.import_module("fgrpo_kernels.backends.triton.logprob_fwd")
+logprob_bwd = importlib.import_module("fgrpo_kernels.backends.triton.logprob_bwd")
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 KC = configs.KernelConfig

@@ -18,7 +18,7 @@ from fgrpo_kernels.testing import linear_batches, rel_error
 
 from .epilogue_cases import grpo_options, side_inputs
 
-HAS_TRITON_PATH = importlib.util.find_spec("fgrpo_kernels.kernels.epilogue") is not None
+HAS_TRITON_PATH = importlib.util.find_spec("fgrpo_kernels.backends.triton.epilogue") is not None
 BACKENDS = [
     "cpu",
     pytest.param(

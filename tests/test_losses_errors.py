@@ -182,7 +182,7 @@ CASES = {
 def test_bad_input_names_the_argument(name, monkeypatch):
     fn, exc, arg = CASES[name]
     launched = []
-    import fgrpo_kernels.autograd as glue
+    import fgrpo_kernels.head.autograd as glue
 
     monkeypatch.setattr(glue, "select_backend", lambda *a: launched.append(a) or 1 / 0)
     with pytest.raises(exc) as info:

@@ -8,7 +8,7 @@ import torch
 import fgrpo_kernels as fk
 from fgrpo_kernels.divergences import NAMES
 
-HAS_TRITON_PATH = importlib.util.find_spec("fgrpo_kernels.kernels.epilogue") is not None
+HAS_TRITON_PATH = importlib.util.find_spec("fgrpo_kernels.backends.triton.epilogue") is not None
 BACKENDS = [
     "cpu",
     pytest.param(

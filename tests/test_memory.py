@@ -11,7 +11,7 @@ import pytest
 CHILD = r"""
 import json, sys, torch
 import fgrpo_kernels as fk
-from fgrpo_kernels.bench.process_memory import PeakRSS
+from fgrpo_kernels.benchmarks.process_memory import PeakRSS
 
 N, V, H = 16384, 32768, 64
 torch.manual_seed(0)
@@ -62,7 +62,7 @@ def test_peak_rss_sees_a_freed_allocation():
 
 
 FREED = r"""
-from fgrpo_kernels.bench.process_memory import PeakRSS
+from fgrpo_kernels.benchmarks.process_memory import PeakRSS
 
 peak = PeakRSS()
 block = bytearray(96 * 2**20)  # zero-filled pages, touched: resident

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import fgrpo_kernels as fk
 from fgrpo_kernels import reference as R
-from fgrpo_kernels.autograd import select_backend
-from fgrpo_kernels.cpu import cpp
+from fgrpo_kernels.backends.cpu import cpp
 from fgrpo_kernels.divergences import NAMES
+from fgrpo_kernels.head.autograd import select_backend
 from fgrpo_kernels.testing import linear_batches, rel_error
 
 from .epilogue_cases import grpo_options, side_inputs
@@ -363,7 +363,7 @@ def test_double_backward_is_a_clear_error(backend):
 CHILD = r"""
 import json, sys, torch
 import fgrpo_kernels as fk
-from fgrpo_kernels.bench.process_memory import PeakRSS
+from fgrpo_kernels.benchmarks.process_memory import PeakRSS
 
 N, V, H, B = 8192, 32768, 64, 8
 torch.manual_seed(0)

@@ -7,11 +7,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fgrpo_kernels import kernels
 from fgrpo_kernels import reference as R
-from fgrpo_kernels.cpu import chunked, cpp
-from fgrpo_kernels.options import LogProbOptions
-from fgrpo_kernels.single_pass import Locality, plan_chunks
+from fgrpo_kernels.backends import triton as kernels
+from fgrpo_kernels.backends.cpu import chunked, cpp
+from fgrpo_kernels.core.options import LogProbOptions
+from fgrpo_kernels.losses.single_pass import Locality, plan_chunks
 from fgrpo_kernels.testing import rel_error
 
 BACKENDS = {"cpp": cpp, "chunked": chunked, "triton": kernels}

@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-gemm = importlib.import_module("fgrpo_kernels.kernels.gemm")
+gemm = importlib.import_module("fgrpo_kernels.backends.triton.gemm")
 CUDA = torch.device("cuda")
 matmul = torch.backends.cuda.matmul
 

@@ -130,7 +130,7 @@ def test_torchrun_user_error_is_one_line_from_rank_0(tmp_path):
 
 
 def _full_parameters(model) -> dict[str, torch.Tensor]:
-    from fgrpo_kernels.distributed import is_dtensor
+    from fgrpo_kernels.backends.distributed import is_dtensor
 
     return {
         n: (p.full_tensor() if is_dtensor(p) else p).detach().clone()

@@ -12,7 +12,7 @@ datasets = pytest.importorskip("datasets")
 
 from trl import GRPOTrainer  # noqa: E402
 
-from fgrpo_kernels import options as O  # noqa: E402
+from fgrpo_kernels.core import options as O  # noqa: E402
 from fgrpo_kernels.integrations.trl import (  # noqa: E402
     FusedGRPOConfig,
     FusedGRPOTrainer,

@@ -25,8 +25,8 @@ import warnings
 
 import torch
 
-from ..losses import FusedLinearGRPOLoss
-from ..options import LOSS_TYPE_SPECS, LossType, Normaliser, Objective, parse
+from ..core.options import LOSS_TYPE_SPECS, LossType, Normaliser, Objective, parse
+from ..losses.modules import FusedLinearGRPOLoss
 
 
 def _dapo_items(mask: torch.Tensor, num_items_in_batch):

@@ -19,8 +19,8 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from ..divergences import NAMES as DIVERGENCES
-from ..options import LEVELS, LOSS_TYPES
+from ..core.divergences import NAMES as DIVERGENCES
+from ..core.options import LEVELS, LOSS_TYPES
 from . import run_dir
 from .config import LOSSES, SCHEDULERS, TrainConfig
 
@@ -201,7 +201,7 @@ def _run(explicit: dict) -> int:
     if together and not parallel.shutdown(owned):
         # the group outlived destroy_process_group (FSDP2): leave before the interpreter's
         # teardown meets its threads. The run folder is written and closed by now.
-        from ..distributed import exit_now
+        from ..backends.distributed import exit_now
 
         exit_now(code)
     return code

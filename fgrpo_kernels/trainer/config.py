@@ -7,11 +7,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .. import validation as check
-from ..divergences import NAMES as DIVERGENCES
-from ..losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
-from ..losses_preference import FusedLinearFHALLoss
-from ..options import Level, LossType, Scale, parse, parse_level_reduction
+from ..core import validation as check
+from ..core.divergences import NAMES as DIVERGENCES
+from ..core.options import Level, LossType, Scale, parse, parse_level_reduction
+from ..losses.modules import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
+from ..losses.preference import FusedLinearFHALLoss
 
 LOSSES = ("fgrpo", "grpo", "gift", "fhal")
 DEFAULT_BETA = {"fgrpo": 0.1, "grpo": 0.04, "gift": 1.0, "fhal": 0.1}

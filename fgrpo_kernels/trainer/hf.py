@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..logprobs import fused_linear_logprobs
+from ..head.logprobs import fused_linear_logprobs
 
 
 def causal_lm(model):

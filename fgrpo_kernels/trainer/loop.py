@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..reference import group_normalize
+from ..core.reference import group_normalize
 from . import checkpoint, evaluation, hf, parallel, run_dir, scoring
 from .config import TrainConfig
 from .data import PromptSampler, as_rows

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import distributed
+from ..backends import distributed
 from . import hf
 
 
@@ -249,7 +249,7 @@ def gradient_sync(wrapped, ranks: Ranks, enabled: bool):
 
 def as_float(value) -> float:
     """A scalar tensor (a DTensor's full value) as a Python float."""
-    from ..distributed import is_dtensor
+    from ..backends.distributed import is_dtensor
 
     return float(value.full_tensor() if is_dtensor(value) else value)
 

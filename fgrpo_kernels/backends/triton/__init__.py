@@ -1,8 +1,8 @@
 """Triton kernels: tensors in, tensors out, no autograd (imports triton; CUDA or interpreter).
 
 `logprob_fwd` / `logprob_bwd` and the single pass's `logits_fwd` / `logits_bwd` have the
-signatures and semantics of `fgrpo_kernels.cpu.chunked`; `epilogue` holds the loss epilogues
-behind `fgrpo_kernels.epilogue`.
+signatures and semantics of `fgrpo_kernels.backends.cpu.chunked`; `epilogue` holds the loss
+epilogues behind `fgrpo_kernels.losses.epilogue`.
 """
 
 from .logits_rows import bytes_per_row, logits_buffer, logits_bwd, logits_fwd, unsupported

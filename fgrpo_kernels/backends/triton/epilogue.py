@@ -1,7 +1,7 @@
 """The Triton loss epilogue: `fgrpo`, `grpo`, `gift` (FDO maps onto `fgrpo` in the caller).
 
 Each returns (loss 0-d fp32, dL/dlogps [B, T] fp32) with the semantics of the option-taking
-function of the same name in `fgrpo_kernels.reference` (which `fgrpo_kernels.epilogue` calls
+function of the same name in `fgrpo_kernels.reference` (which `fgrpo_kernels.losses.epilogue` calls
 off the Triton path): one launch per loss, one program per group (or per block of rows), two
 passes over T (row sums, then dL/dlogp).
 
@@ -13,8 +13,8 @@ compiles each for sm_90 so that code the interpreter accepts but the compiler re
 
 from __future__ import annotations
 
-from ..divergences import TABLE, Divergence
-from ..options import Objective
+from ...core.divergences import TABLE, Divergence
+from ...core.options import Objective
 from .epilogue_common import num_warps
 from .epilogue_fgrpo import _fgrpo_epilogue_kernel, fgrpo
 from .epilogue_gift import _gift_epilogue_kernel, gift

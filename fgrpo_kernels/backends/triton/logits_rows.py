@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..options import LogProbOptions
+from ...core.options import LogProbOptions
 from . import configs
 from .gemm import fp32_precision, gemm, has_out_dtype_mm
 from .launch import check_dtypes, interpreted

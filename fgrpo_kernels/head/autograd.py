@@ -19,8 +19,8 @@ from types import ModuleType
 import torch
 from torch._C import _functions
 
-from . import distributed
-from .options import LogProbOptions
+from ..backends import distributed
+from ..core.options import LogProbOptions
 
 
 def interpreting() -> bool:
@@ -77,10 +77,10 @@ def first_order_only(backward):
 def select_backend(device: torch.device) -> ModuleType:
     """The module whose `logprob_fwd` / `logprob_bwd` serve tensors on `device`."""
     if use_triton(device):
-        from . import kernels
+        from ..backends import triton as kernels
 
         return kernels
-    from .cpu import backend_module
+    from ..backends.cpu import backend_module
 
     return backend_module()
 
@@ -135,7 +135,7 @@ class EpilogueFunction(torch.autograd.Function):
     """loss = epilogue(logps, *args) whose forward already returns the gradients.
 
     `epilogue(logps, *args) -> (loss, dloss_dlogps[, dloss_dargs0])` is one of the
-    `fgrpo_kernels.epilogue` functions. `logps` is differentiable, and so is `args[0]` (the
+    `fgrpo_kernels.losses.epilogue` functions. `logps` is differentiable, and so is `args[0]` (the
     per-token entropy) when the epilogue returns a third, non-None gradient for it.
     """
 
@@ -170,7 +170,7 @@ SCALED = (
 class SinglePassFunction(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] | None) → (loss, logp [N], entropy [N]) of a fused
     loss whose forward sweep also forms d loss/d(hidden, weight, bias) (`sweep(hidden, weight,
-    bias, needs) -> (loss, logp, entropy, dh, dw, db)`, see `fgrpo_kernels.single_pass`);
+    bias, needs) -> (loss, logp, entropy, dh, dw, db)`, see `fgrpo_kernels.losses.single_pass`);
     backward only scales them by the incoming gradient. logp and entropy are not
     differentiable (they feed the metrics).
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..options import FGRPOOptions, Level, Reduction, Scale
+from ...core.options import FGRPOOptions, Level, Reduction, Scale
 from .epilogue_common import (
     Plan,
     contiguous,

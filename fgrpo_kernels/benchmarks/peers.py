@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 import fgrpo_kernels
-from fgrpo_kernels import reference
+from fgrpo_kernels.core import reference
 
 from .workload import EPS, FGRPO_BETA, GRPO_BETA, Workload
 

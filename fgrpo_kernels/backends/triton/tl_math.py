@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..divergences import EXP_CLAMP
+from ...core.divergences import EXP_CLAMP
 
 _CLAMP = tl.constexpr(EXP_CLAMP)
 

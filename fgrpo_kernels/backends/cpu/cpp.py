@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..options import LogProbOptions
+from ...core.options import LogProbOptions
 from . import chunked
 from .chunked import unsupported  # noqa: F401 - the same for both CPU backends
 
@@ -42,7 +42,7 @@ def csrc_dir() -> Path:
             return installed
     except (ModuleNotFoundError, TypeError):
         pass
-    return Path(__file__).resolve().parents[2] / "csrc"
+    return Path(__file__).resolve().parents[3] / "csrc"
 
 
 def _isa() -> tuple[str, list[str]]:

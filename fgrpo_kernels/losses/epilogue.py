@@ -11,16 +11,16 @@ Two implementations share the signatures below:
 - PyTorch: autograd of the option-taking `reference` losses on a detached leaf (exact; the CPU
   path).
 
-Options arrive parsed (`fgrpo_kernels.options`): nothing here validates or converts them.
+Options arrive parsed (`fgrpo_kernels.core.options`): nothing here validates or converts them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import grpo_math, reference
-from .autograd import use_triton
-from .options import FDOOptions, FGRPOOptions, GIFTOptions, GRPOOptions, Level, Reduction
+from ..core import grpo_math, reference
+from ..core.options import FDOOptions, FGRPOOptions, GIFTOptions, GRPOOptions, Level, Reduction
+from ..head.autograd import use_triton
 
 
 def _autograd(loss_fn, logps, *args, entropy=None, entropy_grad=False, **kwargs):
@@ -65,7 +65,7 @@ def _no_tokens_zero(result: tuple[torch.Tensor, torch.Tensor], mask: torch.Tenso
 
 def _triton(device: torch.device):
     if use_triton(device):
-        from .kernels import epilogue
+        from ..backends.triton import epilogue
 
         return epilogue
     return None

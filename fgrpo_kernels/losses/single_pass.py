@@ -30,9 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import epilogue, grpo_math, reference
-from .autograd import SinglePassFunction, select_backend
-from .options import (
+from ..core import grpo_math, reference
+from ..core.options import (
     FDOOptions,
     FGRPOOptions,
     GIFTOptions,
@@ -42,6 +41,8 @@ from .options import (
     Objective,
     Reduction,
 )
+from ..head.autograd import SinglePassFunction, select_backend
+from . import epilogue
 
 ENV = "FGRPO_MAX_CHUNK_BYTES"
 # The logits buffer by default: ~1 GiB on a GPU (a few thousand rows of a 128k vocabulary); on

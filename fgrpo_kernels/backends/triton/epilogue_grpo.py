@@ -5,8 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import grpo_math
-from ..options import GRPOOptions, Level, Objective
+from ...core import grpo_math
+from ...core.options import GRPOOptions, Level, Objective
 from .epilogue_common import (
     Plan,
     contiguous,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..options import GIFTOptions
+from ...core.options import GIFTOptions
 from .epilogue_common import (
     Plan,
     contiguous,

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...core.options import LogProbOptions
 from .. import distributed
-from ..options import LogProbOptions
 from . import autotune, configs
 from .launch import check_dtypes, dot_flags, interpreted
 from .tl_utils import tl_block_start, tl_local_index, tl_logits_tile, tl_online_fold

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from . import distributed, epilogue, grpo_math, metrics, reference, single_pass
-from . import validation as check
-from .autograd import EpilogueFunction
-from .distributed import VocabParallel
-from .logprobs import fused_linear_logprobs
-from .options import FGRPOOptions, GIFTOptions, GRPOOptions, Level, LogProbOptions, Reduction
+from ..backends import distributed
+from ..backends.distributed import VocabParallel
+from ..core import grpo_math, reference
+from ..core import validation as check
+from ..core.options import FGRPOOptions, GIFTOptions, GRPOOptions, Level, LogProbOptions, Reduction
+from ..head.autograd import EpilogueFunction
+from ..head.logprobs import fused_linear_logprobs
+from . import epilogue, metrics, single_pass
 
 # Why a module takes the two-pass path (docs/math.md §5, "Single pass").
 RETURNED_ENTROPY = (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..divergences import EXP_CLAMP, LN2, TABLE, Divergence
+from ...core.divergences import EXP_CLAMP, LN2, TABLE, Divergence
 from .tl_math import tl_expm1, tl_sat_exp, tl_sech2, tl_sigmoid, tl_softplus, tl_tanh
 
 _CLAMP = tl.constexpr(EXP_CLAMP)
@@ -106,7 +106,7 @@ def phi_constexprs(divergence: Divergence) -> dict[str, triton.JITFunction]:
         name = TABLE[divergence].name
         raise NotImplementedError(
             f"no Triton twin for divergence {name!r}: define _{name}_pos and _{name}_neg in "
-            "fgrpo_kernels/kernels/tl_divergences.py"
+            "fgrpo_kernels/backends/triton/tl_divergences.py"
         )
     return {"PHI_POS": pair[0], "PHI_NEG": pair[1]}
 

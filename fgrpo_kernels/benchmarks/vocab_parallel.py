@@ -30,7 +30,7 @@ def _rank(rank: int, world: int, port: int, case, queue) -> None:
     import torch.distributed as dist
 
     import fgrpo_kernels as fk
-    from fgrpo_kernels import distributed
+    from fgrpo_kernels.backends import distributed
 
     from .process_memory import PeakRSS
     from .workload import EPS, GRPO_BETA, Workload

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ...core.options import LogProbOptions
 from .. import distributed
-from ..options import LogProbOptions
 
 TOKEN_CHUNK = 1024
 VOCAB_CHUNK = 4096

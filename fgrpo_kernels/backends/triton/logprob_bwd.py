@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...core.options import LogProbOptions
 from .. import distributed
-from ..options import LogProbOptions
 from . import autotune, configs
 from .gemm import fp32_precision, gemm
 from .launch import check_dtypes, dot_flags, interpreted

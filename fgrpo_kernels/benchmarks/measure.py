@@ -3,7 +3,7 @@
 - CUDA: in-process, CUDA events; `reset_peak_memory_stats` per case, peak = max_memory_allocated
   − memory_allocated after the inputs were built.
 - CPU: every case in a fresh process (forked from a server that has only imported torch, this
-  package and the peers, so no case pays the imports, or `python -m fgrpo_kernels.bench.measure
+  package and the peers, so no case pays the imports, or `python -m fgrpo_kernels.benchmarks.measure
   CASE` with JSON on stdout for `isolation="exec"`). Peak = VmHWM − VmRSS, with the high-water
   mark reset (`process_memory.PeakRSS`) after the inputs were built. Wall time (perf_counter)
   and the process CPU time per run are both kept: on a shared machine the second is steadier.
@@ -37,7 +37,7 @@ from .presets import Case
 from .process_memory import PeakRSS, status_bytes
 from .workload import Workload, run_step
 
-PRELOAD = ["torch", "fgrpo_kernels", "fgrpo_kernels.bench.peers", "liger_kernel.chunked_loss",
+PRELOAD = ["torch", "fgrpo_kernels", "fgrpo_kernels.benchmarks.peers", "liger_kernel.chunked_loss",
            "trl.kernels", "cut_cross_entropy"]  # fmt: skip
 
 

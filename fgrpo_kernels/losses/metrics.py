@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from . import grpo_math
-from .options import FGRPOOptions, GIFTOptions, GRPOOptions, Level, Objective
-from .reference import group_zscore
+from ..core import grpo_math
+from ..core.options import FGRPOOptions, GIFTOptions, GRPOOptions, Level, Objective
+from ..core.reference import group_zscore
 
 
 def _mean(x: torch.Tensor) -> torch.Tensor:
