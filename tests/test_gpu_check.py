@@ -132,3 +132,53 @@ def test_missing_out_dtype_mm_fails_the_run_loudly(tmp_path, capsys):
     assert row["ok"] == "0" and gpu_check.failures(table.rows) == table.rows
     gpu_check.probe(table, torch.device("cpu"), available=False)  # the dry run: no kernel
     assert len(gpu_check.failures(table.rows)) == 1
+
+
+def test_logp_tolerance_rests_on_the_measured_accumulation_floor():
+    """The per-token tolerance at H 16384 comes from `ACCUMULATION_FLOOR`, which the CPU
+    measurement reproduces at a small size: the truncating (tensor-core) model well above the
+    IEEE round-to-nearest floor; the H200's 1.65e-4 (2026-12-04) passes, 1e-4 would not."""
+    import accumulation_floor
+
+    p = gpu_correctness.Problem(64, 16384, 151936, bias=True)
+    tol = gpu_correctness.logp_abs_tolerance(p)
+    assert tol == pytest.approx(1.5 * gpu_correctness.ACCUMULATION_FLOOR[16384])
+    assert 1.65e-4 <= tol < 1e-3
+    assert gpu_correctness.logp_abs_tolerance(gpu_correctness.Problem(64, 520, 5003)) == 1e-4
+    got = accumulation_floor.measure(520, N=32, V=1024, seeds=1)
+    rz, rne = got["rz_k16"][0], got["rne_k64"][0]
+    assert 0.3 < rz / gpu_correctness.ACCUMULATION_FLOOR[520] < 3.0, got
+    assert rne < rz / 2, got
+
+
+def test_loss_tolerance_follows_the_logp_tolerance():
+    """A KL-dominated GRPO loss moves by the log-probs' mean absolute error: a uniform shift of
+    5e-5 (under the per-token tolerance) passes, as the H200's 6.3e-5 does; 5e-4 fails."""
+    from fgrpo_kernels import reference
+
+    p = gpu_correctness.Problem(24, 4096, 151936, tau=0.7)
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 6
+    lp = (-14.0 + torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_()
+    ent = (10.0 + torch.rand(B, T, generator=g, dtype=torch.float64)).requires_grad_()
+    ref = -4.0 * torch.rand(B, T, generator=g, dtype=torch.float64)
+    old = ref + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv, mask = torch.linspace(-1, 1, B, dtype=torch.float64), torch.ones(B, T, dtype=torch.bool)
+    kw = {"loss_type": "dapo", "beta": 0.04, "entropy_coef": 0.01}
+    loss = reference.grpo_loss(lp, old, ref, adv, mask, entropy=ent, **kw)
+    loss.backward()
+    kappa = float((lp.grad.abs().sum() + ent.grad.abs().sum()) / loss.detach().abs())
+    assert 0.9 < kappa < 1.1
+    tol = gpu_correctness.loss_tolerance(p, kappa)
+    for shift, ok in ((5e-5, True), (5e-4, False)):
+        moved = reference.grpo_loss(lp.detach() - shift, old, ref, adv, mask, entropy=ent, **kw)
+        err = float((moved - loss.detach()).abs() / loss.detach().abs())
+        assert err > 1e-5 and (err <= tol) == ok, (shift, err, tol)
+
+
+def test_single_pass_bf16_rows_carry_the_loss_tolerance(triton_backend):
+    p, fn = gpu_correctness.cases(tiny=True)["single_pass_bf16"]
+    rows = {r["quantity"]: r for r in fn(p, torch.device("cpu"))}
+    assert rows["single_pass_ran"]["ok"] == 1
+    loss = rows["loss"]
+    assert loss["ok"] == 1 and loss["tol"] > 1e-5 and loss["rel_err"] <= loss["tol"]
