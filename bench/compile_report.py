@@ -197,10 +197,9 @@ def epilogue_rows(arch_key: str, quick: bool) -> list[dict]:
 ROW_DTYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}  # name -> bias and dlogits dtype
 
 
-def row_kernel_signature(fn, dtype: str, bias: bool, entropy: bool):
+def row_kernel_signature(fn, dtype: str, bias: bool, entropy: bool, cfg=configs.ROW_CONFIG):
     """(signature, constexprs) of a single-pass row kernel as `logits_rows` launches it: the
     buffer fp32, bias and the dlogits in the operand dtype (fp32: the buffer itself)."""
-    cfg = configs.ROW_CONFIG
     sig, const = {}, {"BLOCK_N": cfg.block_n, "BLOCK_V": cfg.block_v}
     flag = "HAS_ENTROPY" if fn is _logits_stats_kernel else "HAS_GRAD_ENTROPY"
     const |= {"HAS_BIAS": bias, flag: entropy}
@@ -224,29 +223,29 @@ def row_kernel_signature(fn, dtype: str, bias: bool, entropy: bool):
 
 
 def row_kernel_rows(arch_key: str) -> list[dict]:
-    """The single pass's row kernels for each operand dtype, bias and entropy."""
+    """The single pass's row kernels at ROW_CONFIG for each operand dtype, bias and entropy;
+    the other `configs.ROW_CANDIDATES` (bench/gpu_perf.py's variants) for bf16 without bias."""
     arch, cc = ARCHS[arch_key]
+    variants = [(name, dtype, bias, entropy, configs.ROW_CONFIG)
+                for name, dtype in ROW_DTYPES.items() for bias in (True, False)
+                for entropy in (True, False)]  # fmt: skip
+    variants += [("bf16", "bf16", False, entropy, cfg) for cfg in configs.ROW_CANDIDATES
+                 if cfg != configs.ROW_CONFIG for entropy in (True, False)]  # fmt: skip
     rows = []
     for fn in (_logits_stats_kernel, _logits_grad_kernel):
-        for name, dtype in ROW_DTYPES.items():
-            for bias in (True, False):
-                for entropy in (True, False):
-                    sig, const = row_kernel_signature(fn, dtype, bias, entropy)
-                    src = ASTSource(fn=fn, signature=sig, constexprs=const)
-                    options = {"num_warps": configs.ROW_CONFIG.num_warps}
-                    compiled = triton.compile(
-                        src, target=GPUTarget("cuda", cc, 32), options=options
-                    )
-                    row = {
-                        "kernel": fn.__name__, "arch": arch, "dtype": name, "bias": int(bias),
-                        "entropy": int(entropy),
-                        "tile": f"{configs.ROW_CONFIG.block_n}x{configs.ROW_CONFIG.block_v}",
-                        "warps": configs.ROW_CONFIG.num_warps,
-                        "stages": compiled.metadata.num_stages,
-                    }  # fmt: skip
-                    row |= ptxas_stats(compiled.asm["ptx"], arch)
-                    row["smem"] = compiled.metadata.shared
-                    rows.append(row)
+        for name, dtype, bias, entropy, cfg in variants:
+            sig, const = row_kernel_signature(fn, dtype, bias, entropy, cfg)
+            src = ASTSource(fn=fn, signature=sig, constexprs=const)
+            options = {"num_warps": cfg.num_warps}
+            compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
+            row = {
+                "kernel": fn.__name__, "arch": arch, "dtype": name, "bias": int(bias),
+                "entropy": int(entropy), "tile": f"{cfg.block_n}x{cfg.block_v}",
+                "warps": cfg.num_warps, "stages": compiled.metadata.num_stages,
+            }  # fmt: skip
+            row |= ptxas_stats(compiled.asm["ptx"], arch)
+            row["smem"] = compiled.metadata.shared
+            rows.append(row)
     return rows
 
 

@@ -70,4 +70,8 @@ def test_compile_report_covers_every_single_pass_row_kernel_variant(report):
         want = {(d, b, e) for d in ("fp32", "bf16", "fp16") for b in "01" for e in "01"}
         assert rows == want, kernel
         tiles = {(r["tile"], int(r["warps"])) for r in report if r["kernel"] == kernel}
-        assert tiles == {(f"{cfg.block_n}x{cfg.block_v}", cfg.num_warps)}
+        assert tiles == {(f"{c.block_n}x{c.block_v}", c.num_warps) for c in configs.ROW_CANDIDATES}
+        tile = f"{cfg.block_n}x{cfg.block_v}"
+        default = {(r["dtype"], r["bias"], r["entropy"]) for r in report
+                   if r["kernel"] == kernel and r["tile"] == tile}  # fmt: skip
+        assert default == want, kernel

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends import memory, phases
 from ..core import grpo_math, reference
 from ..core.options import (
     FDOOptions,
@@ -75,7 +76,7 @@ class ChunkedLoss:
 
 def chunk_bytes(max_chunk_bytes: int | None, device: torch.device) -> int:
     """The buffer budget: `max_chunk_bytes`, else $FGRPO_MAX_CHUNK_BYTES, else the device's
-    default (0: the two-pass path)."""
+    default (0: the two-pass path): on CUDA sized from free memory (`backends.memory`)."""
     if max_chunk_bytes is not None:
         return max_chunk_bytes
     env = os.environ.get(ENV)
@@ -83,7 +84,9 @@ def chunk_bytes(max_chunk_bytes: int | None, device: torch.device) -> int:
         if not env.isdigit():
             raise ValueError(f"{ENV}: expected a number of bytes >= 0; got {env!r}")
         return int(env)
-    return DEFAULT_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    if device.type == "cuda":
+        return memory.device_chunk_bytes(device)
+    return DEFAULT_BYTES["cpu"]
 
 
 def plan_chunks(lengths: list[int], locality: Locality, group: int, max_rows: int):
@@ -178,8 +181,9 @@ def run(backend, max_rows, chunks, hidden, weight, targets, bias, lp_opts: LogPr
             rows = _row_span(starts, n0, n1, loss.locality, loss.group)
             local = positions[n0:n1] - rows.start * T
             m = scatter(torch.ones_like(lp, dtype=mask.dtype), rows, local)
-            d_lp, d_en = loss.grad(rows, m, scatter(lp, rows, local),
-                                   None if en is None else scatter(en, rows, local))  # fmt: skip
+            with phases.phase("epilogue"):
+                en_rows = None if en is None else scatter(en, rows, local)
+                d_lp, d_en = loss.grad(rows, m, scatter(lp, rows, local), en_rows)
             g = d_lp.reshape(-1).index_select(0, local).to(acc)
             g_en = None if d_en is None else d_en.reshape(-1).index_select(0, local).to(acc)
             d_h = None if dh is None else dh[n0:n1] if dh_acc is None else dh_acc[: n1 - n0]

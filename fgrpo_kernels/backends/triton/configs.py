@@ -55,6 +55,9 @@ class RowConfig:
 
 ROW_CONFIG = RowConfig(1, 2048, 8)  # one row per program: 40 registers at most, no spills
 ROW_INTERPRET = RowConfig(4, 64, 1)
+# The row-kernel tiles bench/gpu_perf.py times against ROW_CONFIG (compiled for sm_90a by
+# bench/compile_report.py); ROW_CONFIG stays the default until a device run picks another.
+ROW_CANDIDATES = (ROW_CONFIG, RowConfig(1, 4096, 8), RowConfig(2, 1024, 8), RowConfig(4, 512, 4))
 
 # Forward: at least MIN_SPLITS vocab splits, more while the grid has < TARGET_PROGRAMS_PER_SM
 # programs per SM (small N), never more than there are vocab tiles.

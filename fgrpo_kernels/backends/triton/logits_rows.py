@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ...core.options import LogProbOptions
+from ..phases import phase
 from . import configs
 from .gemm import fp32_precision, gemm, has_out_dtype_mm
 from .launch import check_dtypes, interpreted
@@ -160,14 +161,15 @@ def logits_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entro
     entropy = torch.empty_like(lse) if return_entropy else None
     if M == 0:
         return logp, lse, entropy
-    with fp32_precision(dev, hidden.dtype, opts.fast_fp32):
+    with phase("logits_gemm"), fp32_precision(dev, hidden.dtype, opts.fast_fp32):
         gemm(logits, hidden, weight.T, accumulate=False)
     cfg, meta = _meta(_logits_stats_kernel)
-    _logits_stats_kernel[(triton.cdiv(M, cfg.block_n),)](
-        logits, bias, targets, lse, logp, entropy, M, V, logits.stride(0),
-        1.0 / opts.temperature, opts.ignore_index,
-        HAS_BIAS=bias is not None, HAS_ENTROPY=return_entropy, **meta,
-    )  # fmt: skip
+    with phase("stats_kernel"):
+        _logits_stats_kernel[(triton.cdiv(M, cfg.block_n),)](
+            logits, bias, targets, lse, logp, entropy, M, V, logits.stride(0),
+            1.0 / opts.temperature, opts.ignore_index,
+            HAS_BIAS=bias is not None, HAS_ENTROPY=return_entropy, **meta,
+        )  # fmt: skip
     return logp, lse, entropy
 
 
@@ -195,21 +197,25 @@ def logits_bwd(logits, hidden, weight, targets, bias, lse, entropy, grad_logp, g
         alpha = float(inv_scale)  # NB: one host sync per fp16 chunk: addmm takes alpha on host
     cfg, meta = _meta(_logits_grad_kernel)
     n_vtiles = triton.cdiv(V, cfg.block_v)
-    _logits_grad_kernel[(triton.cdiv(M, cfg.block_n) * n_vtiles,)](
-        logits, bias, targets, lse, entropy if g_ent is not None else None, g, g_ent, scale, dz,
-        M, V, logits.stride(0), dz.stride(0), n_vtiles, inv_t, opts.ignore_index,
-        HAS_BIAS=bias is not None, HAS_GRAD_ENTROPY=g_ent is not None, **meta,
-    )  # fmt: skip
+    with phase("grad_kernel"):
+        _logits_grad_kernel[(triton.cdiv(M, cfg.block_n) * n_vtiles,)](
+            logits, bias, targets, lse, entropy if g_ent is not None else None, g, g_ent, scale,
+            dz, M, V, logits.stride(0), dz.stride(0), n_vtiles, inv_t, opts.ignore_index,
+            HAS_BIAS=bias is not None, HAS_GRAD_ENTROPY=g_ent is not None, **meta,
+        )  # fmt: skip
     with fp32_precision(dev, hidden.dtype, opts.fast_fp32):
         if dh is not None:
-            gemm(dh, dz, weight, accumulate=False, alpha=alpha)
+            with phase("dh_gemm"):
+                gemm(dh, dz, weight, accumulate=False, alpha=alpha)
         if dw is not None:
-            # NB: ignored rows masked to 0, not just met by dz's zero rows: NaN·0 poisons dW
-            h = torch.where(valid[:, None], hidden, hidden.new_zeros(()))
-            gemm(dw, dz.T, h, accumulate=accumulate, alpha=alpha)
+            with phase("dw_gemm"):
+                # NB: ignored rows masked to 0, not just met by dz's zero rows: NaN·0 poisons dW
+                h = torch.where(valid[:, None], hidden, hidden.new_zeros(()))
+                gemm(dw, dz.T, h, accumulate=accumulate, alpha=alpha)
     if db is not None:
-        part = dz.sum(0, dtype=torch.float32).mul_(inv_scale)
-        if accumulate:
-            db += part
-        else:
-            db.copy_(part)
+        with phase("bias"):
+            part = dz.sum(0, dtype=torch.float32).mul_(inv_scale)
+            if accumulate:
+                db += part
+            else:
+                db.copy_(part)
