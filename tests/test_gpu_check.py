@@ -171,7 +171,9 @@ def test_loss_tolerance_follows_the_logp_tolerance():
     assert 0.9 < kappa < 1.1
     tol = gpu_correctness.loss_tolerance(p, kappa)
     for shift, ok in ((5e-5, True), (5e-4, False)):
-        moved = reference.grpo_loss(lp.detach() - shift, old, ref, adv, mask, entropy=ent, **kw)
+        moved = reference.grpo_loss(
+            lp.detach() - shift, old, ref, adv, mask, entropy=ent.detach(), **kw
+        )
         err = float((moved - loss.detach()).abs() / loss.detach().abs())
         assert err > 1e-5 and (err <= tol) == ok, (shift, err, tol)
 
