@@ -20,6 +20,8 @@ from fgrpo_kernels.backends.triton import bytes_per_row, cublas_chunks
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = memory.GiB
+sys.path.insert(0, str(ROOT / "bench"))
+import traffic_model  # noqa: E402
 
 
 def test_buffer_rule_clamps_a_quarter_of_free_memory():
@@ -30,6 +32,28 @@ def test_buffer_rule_clamps_a_quarter_of_free_memory():
     assert memory.fixed_bytes(151936, 4096, torch.bfloat16) == 151936 * 4096 * 6
     with pytest.raises(ValueError, match="free and fixed"):
         memory.auto_bytes(free=-1, fixed=0)
+
+
+def test_traffic_model_uses_the_code_s_chunks_and_meets_the_measured_run():
+    """The model's rows per chunk are the single pass's (`bytes_per_row`, bf16: 6 B per logit;
+    the issue's ~1,150 rows and ~57 chunks at 64k); at 1 GiB its estimate lies within 15% of
+    the 2026-12-04 H200 times (8k: 10% under; it leaves out launches and slow small-K
+    products); more buffer, fewer chunks, a lower estimate; bad input named."""
+    per_row = bytes_per_row(torch.empty(0, dtype=torch.bfloat16), traffic_model.V)
+    assert per_row == 6 * traffic_model.V
+    m = traffic_model.model(65536, GiB)
+    assert m["rows"] == GiB // per_row and m["chunks"] == -(-65536 // m["rows"]) == 56
+    for N, seen in traffic_model.MEASURED_1GIB.items():
+        est = traffic_model.model(N, GiB)["total_ms"]
+        assert 0.85 * seen < est < 1.01 * seen, (N, est, seen)
+    for N in traffic_model.GEMM_MS:
+        ests = [traffic_model.model(N, g * GiB)["total_ms"] for g in traffic_model.BUFFERS_GIB]
+        assert ests == sorted(ests, reverse=True)
+        assert traffic_model.model(N, 8 * GiB)["ratio"] > 1.0  # the model never beats the floor
+    for bad in ({"N": 1000, "budget": GiB}, {"N": 8192, "budget": 0}, {"N": 8192, "budget": 8}):
+        with pytest.raises(ValueError, match="N|budget"):
+            traffic_model.model(**bad)
+    assert "| 65536 | 1 | 1177 | 56 |" in traffic_model.table(4.8e12)
 
 
 def test_buffer_env(monkeypatch):
