@@ -69,23 +69,28 @@ def _row_nan_extreme(x, mask, extreme):
     return extreme(live) if live.numel() else x.new_full((), float("nan"))
 
 
+def trl_global_mean(x, mask):
+    """TRL's `global_masked_mean` on one process: the masked mean of x [B, T], or, when x has
+    one column (as TRL tells a sequence-level value, T = 1 included), the mean over rows."""
+    if x.shape[-1] == 1:
+        return x.sum() / max(x.shape[0], 1)
+    return grpo_math.masked_mean(x, mask)
+
+
 def _trl_clip_metrics(low, high, mask) -> Metrics:
     """TRL's clip_ratio/* from the (low, high) clipped-token indicators [B, T] or [B, 1]."""
     region = torch.maximum(low, high)
-    if low.shape[-1] == 1:  # one value per sequence
-        return {
-            "clip_ratio/low_mean": low.mean(),
-            "clip_ratio/high_mean": high.mean(),
-            "clip_ratio/region_mean": region.mean(),
-            "clip_ratio/low_min": low.min(),
-            "clip_ratio/high_max": high.max(),
-        }
+    one = low.shape[-1] == 1  # one value per sequence
+
+    def extreme(x, fn):
+        return fn(x[:, 0]) if one and x.numel() else _row_nan_extreme(x, mask, fn)
+
     return {
-        "clip_ratio/low_mean": grpo_math.masked_mean(low, mask),
-        "clip_ratio/high_mean": grpo_math.masked_mean(high, mask),
-        "clip_ratio/region_mean": grpo_math.masked_mean(region, mask),
-        "clip_ratio/low_min": _row_nan_extreme(low, mask, torch.min),
-        "clip_ratio/high_max": _row_nan_extreme(high, mask, torch.max),
+        "clip_ratio/low_mean": trl_global_mean(low, mask),
+        "clip_ratio/high_mean": trl_global_mean(high, mask),
+        "clip_ratio/region_mean": trl_global_mean(region, mask),
+        "clip_ratio/low_min": extreme(low, torch.min),
+        "clip_ratio/high_max": extreme(high, torch.max),
     }
 
 
@@ -148,12 +153,12 @@ def gmpo_loss(
     per_seq = -coef * a
     metrics = {}
     if beta != 0.0:
-        kl = grpo_math.k3(ref, lp, mask)
+        kl = grpo_math.k3(ref, lp, torch.ones_like(m))  # unmasked, as TRL logs it
         per_seq = per_seq + beta * row_mean(kl, m)
-        metrics["kl"] = grpo_math.masked_mean(kl, m)
+        metrics["kl"] = trl_global_mean(kl, m)
     loss = per_seq.sum() / max(per_seq.numel(), 1) / gradient_accumulation_steps
     if entropy is not None:
-        metrics["entropy"] = grpo_math.masked_mean(entropy.to(dtype), m)
+        metrics["entropy"] = trl_global_mean(entropy.to(dtype), m)
     low = ((lr < -epsilon) & (a_col < 0)).to(dtype)
     hi = ((lr > high) & (a_col > 0)).to(dtype)
     metrics.update(_trl_clip_metrics(low, hi, m))
