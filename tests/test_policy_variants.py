@@ -17,6 +17,7 @@ from fgrpo_kernels import reference
 from fgrpo_kernels.core import policy_m2po as m2po
 from fgrpo_kernels.core import policy_variants as pv
 from fgrpo_kernels.core import policy_variants_verl as pvv
+from fgrpo_kernels.core import policy_variants_verl_pg as pvp
 
 LOGPS = st.one_of(st.sampled_from([0.0, -30.0, -1e-3]), st.floats(-4.0, 0.0))
 ADVS = st.one_of(st.just(0.0), st.floats(-2.0, 2.0))
@@ -221,7 +222,7 @@ def test_dppo_masks_by_hand():
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
     logp = torch.log(torch.tensor([[0.8, 0.6, 0.2]]))
     a = torch.tensor([[1.0, 1.0, -1.0]])
-    loss, grad, metrics = grad_of(pvv.dppo_tv_loss, logp, old, a, torch.ones(1, 3))
+    loss, grad, metrics = grad_of(pvp.dppo_tv_loss, logp, old, a, torch.ones(1, 3))
     assert_close(loss, torch.tensor(-1.2 * math.log(0.6) / 3))
     assert_close(grad, torch.tensor([[0.0, -1.2 / 3, 0.0]]))
     assert_close(metrics["actor/pg_clipfrac"], torch.tensor(2 / 3))
@@ -229,16 +230,16 @@ def test_dppo_masks_by_hand():
 
 def test_dro_and_gpg_by_hand():
     logp, old, a = torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[2.0]])
-    loss, grad, _ = grad_of(pvv.dro_loss, logp, old, a, torch.ones(1, 1), dro_beta=0.4)
+    loss, grad, _ = grad_of(pvp.dro_loss, logp, old, a, torch.ones(1, 1), dro_beta=0.4)
     assert_close(loss, torch.tensor(-(-2.0 - 0.5 * 0.4 * 0.25)))
     assert_close(grad, torch.tensor([[-(2.0 - 0.4 * 0.5)]]))
-    loss, grad, _ = grad_of(pvv.gpg_loss, logp, None, a, torch.ones(1, 1))
+    loss, grad, _ = grad_of(pvp.gpg_loss, logp, None, a, torch.ones(1, 1))
     assert_close(loss, torch.tensor(2.0))
 
 
 def test_gpg_advantages_by_hand():
     """R = [1, 0, 1, 1] in groups [a, a, b, b]: α = 4/3; a − mean: [0.5, −0.5, 0, 0]."""
-    adv = pvv.gpg_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(4, 2), list("aabb"))
+    adv = pvp.gpg_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(4, 2), list("aabb"))
     assert_close(adv, (4 / 3 * torch.tensor([0.5, -0.5, 0.0, 0.0]))[:, None].expand(4, 2))
 
 
@@ -248,7 +249,7 @@ def test_kl_cov_penalises_the_top_covariance_token():
     logp = torch.tensor([[-0.1, -2.0], [-1.5, -0.1]])
     old = logp - 0.5
     a = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
-    loss, _, _ = grad_of(pvv.kl_cov_loss, logp, old, a, torch.ones(2, 2), kl_cov_ratio=0.2)
+    loss, _, _ = grad_of(pvp.kl_cov_loss, logp, old, a, torch.ones(2, 2), kl_cov_ratio=0.2)
     r = math.exp(0.5)
     assert_close(loss, torch.tensor((-r + 0.1 * 0.5 - r + r + r) / 4))
 
@@ -303,14 +304,14 @@ def test_m2po_within_budget_does_not_clip():
     "call,match",
     [
         (lambda x, m: pvv.agg_loss(x, m, "mean"), "loss_agg_mode: expected one of 'token-mean'"),
-        (lambda x, m: pvv.dro_loss(x, x, x, m, dro_beta=None), "dro_beta"),
+        (lambda x, m: pvp.dro_loss(x, x, x, m, dro_beta=None), "dro_beta"),
         (lambda x, m: pvv.vanilla_loss(x, x, x, m, clip_ratio_c=1.0), "clip_ratio_c"),
         (lambda x, m: m2po.m2po_loss(x, x, x, m, clip_loss="gpg"), "clip_loss: expected one of"),
         (lambda x, m: m2po.m2po_loss(x, x, x, m, M2_budget=0.0), "M2_budget"),
         (lambda x, m: pv.gspo_token_loss(x, x, x[:, 0], m, loss_type="cispo"), "loss_type"),
         (lambda x, m: pv.gmpo_loss(x, x, x[:, 0], m, beta=0.1), "ref_logp"),
         (lambda x, m: pv.gmpo_loss(x, x, x[:, 0], m, top_entropy_quantile=0.5), "entropy"),
-        (lambda x, m: pvv.kl_cov_loss(x, x, x, m, kl_cov_ratio=0.0), "kl_cov_ratio"),
+        (lambda x, m: pvp.kl_cov_loss(x, x, x, m, kl_cov_ratio=0.0), "kl_cov_ratio"),
     ],
 )
 def test_bad_options_name_the_argument(call, match):
@@ -323,7 +324,7 @@ def test_float64_stays_float64_and_inputs_are_untouched():
     logp = torch.tensor([[-1.0, -30.0]], dtype=torch.float64)
     old = torch.tensor([[-31.0, 0.0]], dtype=torch.float64)
     before = logp.clone(), old.clone()
-    for fn in (pvv.vanilla_loss, pvv.dppo_kl_loss, pvv.kl_cov_loss, m2po.m2po_loss):
+    for fn in (pvv.vanilla_loss, pvp.dppo_kl_loss, pvp.kl_cov_loss, m2po.m2po_loss):
         loss, grad, _ = grad_of(fn, logp, old, torch.ones(1, 2, dtype=torch.float64),
                                 torch.ones(1, 2))  # fmt: skip
         assert loss.dtype == torch.float64 and torch.isfinite(loss) and torch.isfinite(grad).all()

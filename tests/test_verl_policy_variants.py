@@ -14,6 +14,7 @@ from verl.workers.config.actor import ActorConfig, PolicyLossConfig  # noqa: E40
 
 from fgrpo_kernels.core import policy_m2po as m2po  # noqa: E402
 from fgrpo_kernels.core import policy_variants_verl as pv  # noqa: E402
+from fgrpo_kernels.core import policy_variants_verl_pg as pvp  # noqa: E402
 
 LOGPS = st.one_of(st.sampled_from([0.0, -30.0, -1e-3]), st.floats(-4.0, 0.0))
 ADVS = st.one_of(st.just(0.0), st.floats(-2.0, 2.0))
@@ -73,11 +74,11 @@ def close(ours, theirs, mask, what):
 CASES = [
     ("vanilla", pv.vanilla_loss, {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28}),
     ("gspo", pv.gspo_loss, {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}),
-    ("gpg", pv.gpg_loss, {}),
-    ("dro", pv.dro_loss, {"dro_beta": 0.3}),
-    ("dppo_tv", pv.dppo_tv_loss, {"clip_ratio_low": 0.15, "clip_ratio_high": 0.2}),
-    ("dppo_kl", pv.dppo_kl_loss, {"clip_ratio_low": 0.05, "clip_ratio_high": 0.1}),
-    ("kl_cov", pv.kl_cov_loss, {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.1}),
+    ("gpg", pvp.gpg_loss, {}),
+    ("dro", pvp.dro_loss, {"dro_beta": 0.3}),
+    ("dppo_tv", pvp.dppo_tv_loss, {"clip_ratio_low": 0.15, "clip_ratio_high": 0.2}),
+    ("dppo_kl", pvp.dppo_kl_loss, {"clip_ratio_low": 0.05, "clip_ratio_high": 0.1}),
+    ("kl_cov", pvp.kl_cov_loss, {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.1}),
 ]
 
 
@@ -138,7 +139,7 @@ def test_gpg_advantages_equal_verl(rewards, groups):
     mask = torch.ones(B, T)
     index = np.array([f"p{i % groups}" for i in range(B)], dtype=object)
     theirs, _ = core_algos.compute_gpg_outcome_advantage(token_rewards.clone(), mask, index)
-    torch.testing.assert_close(pv.gpg_advantages(token_rewards, mask, index), theirs)
+    torch.testing.assert_close(pvp.gpg_advantages(token_rewards, mask, index), theirs)
 
 
 def test_m2po_uses_the_vanilla_ppo_of_verl_with_its_clip_range():
@@ -153,3 +154,8 @@ def test_m2po_uses_the_vanilla_ppo_of_verl_with_its_clip_range():
                       clip_ratio_low=low, clip_ratio_high=high)  # fmt: skip
     ours = ours_run(m2po.m2po_loss, logp, old, a, mask, None, clip_loss="vanilla")
     close(ours, theirs, mask, "m2po vanilla")
+
+
+def test_every_registry_name_is_verls():
+    for name in pvp.POLICY_LOSSES:
+        assert core_algos.get_policy_loss_fn(name).__name__ == f"compute_policy_loss_{name}"
