@@ -1,6 +1,6 @@
 """fgrpo_kernels.core.policy_variants against its sources in the main venv: GMPO against TRL's
 own `GMPOTrainer._compute_loss` (imported, on a stub trainer), GSPO-token against TRL's GSPO
-(our `reference.grpo_loss` at importance_sampling_level "sequence"), and the verl-derived
+(`GRPOTrainer._compute_loss` at importance_sampling_level "sequence"), and the verl-derived
 losses (verl 0.9.1, absent here) and M2PO (Infini-AI-Lab/M2PO af54a3e) on hand-computed cases.
 """
 
@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fgrpo_kernels import reference
 from fgrpo_kernels.core import policy_m2po as m2po
 from fgrpo_kernels.core import policy_variants as pv
 from fgrpo_kernels.core import policy_variants_verl as pvv
@@ -121,34 +120,74 @@ def test_gmpo_old_none_is_ratio_one_with_its_gradient():
 # ----------------------------------------------------------------------------- GSPO-token
 
 
+def trl_gspo(logp, old, ref, adv, mask, entropy, rho, loss_type, beta, options):
+    """TRL's GRPOTrainer._compute_loss at importance_sampling_level "sequence" (GSPO), on a
+    stub carrying the attributes it reads (one process, no accumulation)."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    B, T = logp.shape
+    args = SimpleNamespace(use_bias_correction_kl=options.get("use_bias_correction_kl", False),
+                           delta=options.get("delta"), steps_per_generation=1)  # fmt: skip
+    stub = SimpleNamespace(
+        epsilon_low=0.2, epsilon_high=0.28, beta=beta, loss_type=loss_type, args=args,
+        top_entropy_quantile=options.get("top_entropy_quantile", 1.0),
+        off_policy_mask_threshold=options.get("off_policy_mask_threshold"),
+        importance_sampling_level="sequence", aux_loss_enabled=False,
+        use_vllm=rho is not None, vllm_importance_sampling_correction=rho is not None,
+        max_completion_length=T, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, _metrics={"train": defaultdict(list)},
+        accelerator=SimpleNamespace(reduce=lambda x, reduction="sum": x, gather=lambda x: x,
+                                    pad_across_processes=lambda x, dim=0, pad_index=0: x,
+                                    num_processes=1, sync_gradients=True),
+        _entropy_bonus_enabled=options.get("entropy_coef", 0.0) != 0.0,
+        entropy_coef=options.get("entropy_coef", 0.0), use_adaptive_entropy=False,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None),
+    )  # fmt: skip
+    stub.get_high_entropy_mask = GRPOTrainer.get_high_entropy_mask.__get__(stub)
+    stub.get_off_policy_mask = GRPOTrainer.get_off_policy_mask
+    inputs = {
+        "prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+        "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(), "importance_sampling_ratio": rho,
+    }  # fmt: skip
+    return GRPOTrainer._compute_loss(stub, stub.model, inputs)
+
+
+GSPO_OPTIONS = [{}, {"delta": 1.5}, {"off_policy_mask_threshold": 0.5},
+                {"top_entropy_quantile": 0.5}, {"use_bias_correction_kl": True},
+                {"entropy_coef": 0.01}]  # fmt: skip
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     batch=batches(),
     loss_type=st.sampled_from(["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]),
     beta=st.sampled_from([0.0, 0.04]),
-    options=st.sampled_from([{}, {"delta": 1.5}, {"clip_ratio_c": 3.0},
-                             {"off_policy_mask_threshold": 0.5}, {"top_entropy_quantile": 0.5},
-                             {"use_bias_correction_kl": True}, {"entropy_coef": 0.01}]),
+    options=st.sampled_from(GSPO_OPTIONS),
     ratio=st.sampled_from([None, "row", "token"]),
-)  # fmt: skip
-def test_gspo_token_has_trl_gspo_value_and_per_token_gradient(batch, loss_type, beta, options,
-                                                              ratio):  # fmt: skip
-    """Its value is TRL's GSPO (importance_sampling_level "sequence"); its gradient is GSPO's
-    where every weight is per sequence, and s_i·w_t·∂pt/∂s on each token otherwise."""
+)
+def test_gspo_token_has_trl_gspo_value_and_gradient(batch, loss_type, beta, options, ratio):
+    """Its value is TRL's GSPO (importance_sampling_level "sequence", TRL's own code); so is
+    its gradient where every weight is per sequence (GSPO-token's s_i·∇logp_t summed over the
+    row is GSPO's ∇s_i). Per-token weights give each token its own weight (by hand below)."""
     logp, old, ref, adv, mask, entropy = batch
     B, T = logp.shape
     g = torch.Generator().manual_seed(B * T)
     rho = {None: None, "row": torch.rand(B, 1, generator=g) + 0.5,
            "token": torch.rand(B, T, generator=g) + 0.5}[ratio]  # fmt: skip
-    kw = dict(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28,
-              vllm_is_ratio=rho, entropy=entropy, **options)  # fmt: skip
-    o_loss, o_grad, _ = grad_of(pv.gspo_token_loss, logp, old, adv, mask, ref_logp=ref, **kw)
-    t_loss, t_grad, _ = grad_of(reference.grpo_loss, logp, old, ref, adv, mask,
-                                importance_sampling_level="sequence", **kw)  # fmt: skip
-    assert_close(o_loss, t_loss, "loss")
+    o_loss, o_grad, metrics = grad_of(
+        pv.gspo_token_loss, logp, old, adv, mask, ref_logp=ref, loss_type=loss_type, beta=beta,
+        epsilon_low=0.2, epsilon_high=0.28, vllm_is_ratio=rho, entropy=entropy,
+        num_items_in_batch=mask.sum(), **options,
+    )  # fmt: skip
+    lp = logp.clone().requires_grad_(True)
+    t_loss = trl_gspo(lp, old, ref, adv, mask, entropy, rho, loss_type, beta, options)
+    (t_grad,) = torch.autograd.grad(t_loss, lp, allow_unused=True)
+    assert_close(o_loss, t_loss.detach(), "loss")
     per_token_weights = ratio == "token" or "top_entropy_quantile" in options
     if not per_token_weights and not options.get("use_bias_correction_kl"):
-        assert_close(o_grad, t_grad, "grad")
+        assert_close(o_grad, torch.zeros_like(lp) if t_grad is None else t_grad, "grad")
 
 
 def test_gspo_token_gradient_by_hand():
