@@ -151,7 +151,8 @@ def trl_gspo(logp, old, ref, adv, mask, entropy, rho, loss_type, beta, options):
         "advantages": adv, "old_per_token_logps": old, "ref_per_token_logps": ref,
         "num_items_in_batch": mask.sum(), "importance_sampling_ratio": rho,
     }  # fmt: skip
-    return GRPOTrainer._compute_loss(stub, stub.model, inputs)
+    loss = GRPOTrainer._compute_loss(stub, stub.model, inputs)
+    return loss, {k: v[-1] for k, v in stub._metrics["train"].items()}
 
 
 GSPO_OPTIONS = [{}, {"delta": 1.5}, {"off_policy_mask_threshold": 0.5},
@@ -182,9 +183,13 @@ def test_gspo_token_has_trl_gspo_value_and_gradient(batch, loss_type, beta, opti
         num_items_in_batch=mask.sum(), **options,
     )  # fmt: skip
     lp = logp.clone().requires_grad_(True)
-    t_loss = trl_gspo(lp, old, ref, adv, mask, entropy, rho, loss_type, beta, options)
+    t_loss, t_metrics = trl_gspo(lp, old, ref, adv, mask, entropy, rho, loss_type, beta, options)
     (t_grad,) = torch.autograd.grad(t_loss, lp, allow_unused=True)
     assert_close(o_loss, t_loss.detach(), "loss")
+    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                "clip_ratio/low_min", "clip_ratio/high_max"):  # fmt: skip
+        if key in t_metrics:
+            assert_close(metrics[key].float(), torch.tensor(t_metrics[key]), key)
     per_token_weights = ratio == "token" or "top_entropy_quantile" in options
     if not per_token_weights and not options.get("use_bias_correction_kl"):
         assert_close(o_grad, torch.zeros_like(lp) if t_grad is None else t_grad, "grad")

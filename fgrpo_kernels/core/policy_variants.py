@@ -15,10 +15,10 @@ import dataclasses
 import torch
 
 try:  # the package layout of issue 25 (fgrpo_kernels/core/)
-    from . import grpo_math
+    from . import grpo_math, reference
     from .options import GRPOOptions, Level, Objective, name_of
 except ImportError:  # the flat layout before it
-    from .. import grpo_math
+    from .. import grpo_math, reference
     from ..options import GRPOOptions, Level, Objective, name_of
 
 Metrics = dict[str, torch.Tensor]
@@ -217,26 +217,15 @@ def gspo_token_loss(
     old = lp.detach() if old is None else old
     # NB: token-level GRPO maths on old' = logp − log s_it sees log s_it as its log-ratio
     shifted_old = (lp - gspo_token_log_ratio(lp, old, mask)).detach()
-    norms = grpo_math.normalisers(mask, opts, num_items_in_batch, ent, dtype=dtype)
-    per_token = grpo_math.per_token_loss(
-        lp,
-        shifted_old,
-        ref,
-        mask,
-        a,
-        opts,
-        norms,
-        vllm_is_ratio,
-        ent,
-        old if samp is None else samp,
-    )
-    loss = grpo_math.reduce(per_token, mask, norms.row_scale)
-    if norms.entropy_scale is not None:
-        weights = grpo_math.bonus_mask(mask, opts, ent, norms.entropy_threshold, dtype)
-        loss = loss - grpo_math.entropy_bonus(ent, weights, norms.entropy_scale)
+    loss = reference.grpo(
+        lp, shifted_old, ref, mask, a, num_items_in_batch, opts, vllm_is_ratio=vllm_is_ratio,
+        entropy=ent, sampling_logps=old if samp is None else samp,
+    )  # fmt: skip
     s = grpo_math.importance_ratio(lp.detach(), old, mask, Level.SEQUENCE)
     low, high = grpo_math.clip_indicators(s, a, opts)
     metrics = _trl_clip_metrics(low, high, mask.to(dtype))
-    if opts.beta != 0.0 and ref is not None:
-        metrics["kl"] = grpo_math.masked_mean(grpo_math.k3(ref, lp.detach(), mask), mask)
+    if opts.beta != 0.0 and ref is not None:  # TRL logs k3 unmasked (× s with bias correction)
+        kl = grpo_math.k3(ref, lp.detach(), torch.ones_like(mask))
+        kl = kl * s if opts.use_bias_correction_kl else kl
+        metrics["kl"] = trl_global_mean(kl, mask.to(dtype))
     return loss, detached(metrics)
