@@ -18,21 +18,15 @@ from fgrpo_kernels.core import policy_variants as pv
 from fgrpo_kernels.core import policy_variants_verl as pvv
 from fgrpo_kernels.core import policy_variants_verl_pg as pvp
 
-LOGPS = st.one_of(st.sampled_from([0.0, -30.0, -1e-3]), st.floats(-4.0, 0.0))
-ADVS = st.one_of(st.just(0.0), st.floats(-2.0, 2.0))
+from .policy_cases import base_batch, matrix
 
 
 @st.composite
 def batches(draw):
-    B, T = draw(st.integers(1, 5)), draw(st.integers(1, 6))
-    logp = torch.tensor(draw(st.lists(LOGPS, min_size=B * T, max_size=B * T))).reshape(B, T)
-    old = torch.tensor(draw(st.lists(LOGPS, min_size=B * T, max_size=B * T))).reshape(B, T)
-    ref = torch.tensor(draw(st.lists(LOGPS, min_size=B * T, max_size=B * T))).reshape(B, T)
-    lengths = draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
-    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).float()
-    adv = torch.tensor(draw(st.lists(ADVS, min_size=B, max_size=B)))
+    logp, old, adv, mask = base_batch(draw)
+    B, T = logp.shape
     entropy = torch.rand(B, T, generator=torch.Generator().manual_seed(B + 7 * T)) * 3
-    return logp, old, ref, adv, mask, entropy
+    return logp, old, matrix(draw, B, T), adv, mask, entropy
 
 
 def grad_of(fn, logp, *args, **kw):

@@ -16,25 +16,18 @@ from fgrpo_kernels.core import policy_m2po as m2po  # noqa: E402
 from fgrpo_kernels.core import policy_variants_verl as pv  # noqa: E402
 from fgrpo_kernels.core import policy_variants_verl_pg as pvp  # noqa: E402
 
-LOGPS = st.one_of(st.sampled_from([0.0, -30.0, -1e-3]), st.floats(-4.0, 0.0))
-ADVS = st.one_of(st.just(0.0), st.floats(-2.0, 2.0))
+from .policy_cases import ADVS, base_batch, matrix  # noqa: E402
 
 
 @st.composite
 def batches(draw):
-    B, T = draw(st.integers(1, 5)), draw(st.integers(1, 6))
-    logp = torch.tensor(draw(st.lists(LOGPS, min_size=B * T, max_size=B * T))).reshape(B, T)
-    old = torch.tensor(draw(st.lists(LOGPS, min_size=B * T, max_size=B * T))).reshape(B, T)
-    lengths = draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
-    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).float()
-    adv = torch.tensor(draw(st.lists(ADVS, min_size=B, max_size=B)))
-    per_token = draw(st.booleans())
+    logp, old, adv, mask = base_batch(draw)
+    B, T = logp.shape
     a = adv[:, None].expand(B, T).clone()
-    if per_token:
-        a = a + torch.tensor(draw(st.lists(ADVS, min_size=B * T, max_size=B * T))).reshape(B, T)
-    w = draw(st.booleans())
-    weights = torch.rand(B, T, generator=torch.Generator().manual_seed(B * T)) + 0.5 if w else None
-    return logp, old, a, mask, weights
+    if draw(st.booleans()):  # verl's per-token advantages
+        a = a + matrix(draw, B, T, ADVS)
+    weights = torch.rand(B, T, generator=torch.Generator().manual_seed(B * T)) + 0.5
+    return logp, old, a, mask, weights if draw(st.booleans()) else None
 
 
 def config(**kw):
