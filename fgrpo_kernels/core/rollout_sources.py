@@ -236,6 +236,11 @@ def _mean(v, m):  # verl's masked mean
     return (torch.where(m > 0, v, 0.0) * m).sum() / (m.sum() + 1e-8)
 
 
+def _fraction(b: torch.Tensor, dtype) -> torch.Tensor:
+    """The share of True in b, 0 for an empty b."""
+    return b.to(dtype).sum() / max(b.numel(), 1)
+
+
 def _extreme(v, mb, largest: bool):
     """Max (min) of v over mb, 0 when mb holds nothing."""
     if v.numel() == 0:
@@ -255,8 +260,8 @@ def _verl_is_metrics(opts, s) -> dict:
         out["rollout_is_max"] = saturating_exp(top if bound is None else top.clamp(max=bound))
         out["rollout_is_min"] = torch.exp(low)
         if hi is not None:
-            out["rollout_is_ratio_fraction_high"] = (rows > math.log(hi)).to(rows.dtype).mean()
-            out["rollout_is_ratio_fraction_low"] = (rows < math.log(lo)).to(rows.dtype).mean()
+            out["rollout_is_ratio_fraction_high"] = _fraction(rows > math.log(hi), rows.dtype)
+            out["rollout_is_ratio_fraction_low"] = _fraction(rows < math.log(lo), rows.dtype)
     else:
         out["rollout_is_max"] = _extreme(s.weights, s.mb, True)
         out["rollout_is_min"] = _extreme(s.weights, s.mb, False)
@@ -285,7 +290,7 @@ def _verl_rs_metrics(opts, s) -> dict:
             n_valid > 0, rejected_row.to(dtype).sum() / n_valid.clamp(min=1.0), 0.0
         )
     out["rollout_rs_masked_fraction"] = _mean((~s.kept).to(dtype), s.m)
-    out["rollout_rs_seq_masked_fraction"] = (~s.kept & s.mb).any(-1).to(dtype).mean()
+    out["rollout_rs_seq_masked_fraction"] = _fraction((~s.kept & s.mb).any(-1), dtype)
     return out
 
 
