@@ -123,6 +123,9 @@ def test_verl_rejection_by_hand():
     assert kept(preset="k3_rs").tolist() == [[1, 1], [1, 1], [0, 0]]
     # Seq-RS: −Σ log ρ in [ln 0.5, ln 2]: row 2's −ln 3 < ln 0.5
     assert kept(preset="seq_rs").tolist() == [[1, 1], [1, 1], [0, 0]]
+    # k1 tests −log ρ (verl's code): row 1's −0.01 lies in [ln 0.5, ln 1], row 2's −ln 3 not
+    asym = kept(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.5_1.0")
+    assert asym.tolist() == [[1, 1], [1, 1], [0, 0]]
     both = kept(rollout_rs="token_k2,seq_max_k3", rollout_rs_threshold="1.0,1e-4")
     assert both.tolist() == [[1, 1], [0, 0], [0, 0]]  # seq_max_k3 of row 1: ~2.0e-4 > 1e-4
 

@@ -30,6 +30,7 @@ CONFIGS = [
     dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
     dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
     dict(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
+    dict(rollout_rs="token_k1,seq_mean_k1", rollout_rs_threshold="0.3_1.2,0.6_1.1"),
     dict(rollout_rs="token_k1,token_k2,seq_max_k3", rollout_rs_threshold="2.0,0.3,0.5"),
     dict(rollout_rs="seq_sum_k2,seq_mean_k2,token_k3,seq_max_k2", rollout_rs_threshold=0.4),
     dict(rollout_is="token", rollout_rs="seq_sum_k3", rollout_rs_threshold=1.5),
