@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fgrpo_kernels import grpo_math
+from fgrpo_kernels.core import grpo_math
 from fgrpo_kernels.core.kl_estimators import ESTIMATORS, KLPenalty, kl_estimate
 
 

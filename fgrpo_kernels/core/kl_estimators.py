@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..divergences import sat_exp
-from ..options import name_of
-from ..validation import choice, positive, tensor
+from .divergences import sat_exp
+from .options import name_of
+from .validation import choice, positive, tensor
 
 LOW_VAR_KL_LOG_BOUND = 20.0  # verl clamps ref − logp to ±20 ...
 LOW_VAR_KL_VALUE_BOUND = 10.0  # ... and the estimate to ±10

@@ -14,12 +14,8 @@ import dataclasses
 
 import torch
 
-try:  # the package layout of issue 25 (fgrpo_kernels/core/)
-    from . import grpo_math, reference
-    from .options import GRPOOptions, Level, Objective, name_of
-except ImportError:  # the flat layout before it
-    from .. import grpo_math, reference
-    from ..options import GRPOOptions, Level, Objective, name_of
+from . import grpo_math, reference
+from .options import GRPOOptions, Level, Objective, name_of
 
 Metrics = dict[str, torch.Tensor]
 

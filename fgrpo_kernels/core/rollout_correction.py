@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..options import Level, name_of, names, parse
-from ..validation import choice, positive, tensor
+from .options import Level, name_of, names, parse
+from .validation import choice, positive, tensor
 from . import rollout_sources as sources
 from .rollout_sources import saturating_exp as _exp
 

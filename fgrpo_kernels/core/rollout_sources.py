@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from ..options import Level
-from ..validation import choice, positive
+from .options import Level
+from .validation import choice, positive
 
 VERL_LOSS_TYPES = ("ppo_clip", "reinforce")
 VERL_IS_LEVELS = ("token", "sequence")
