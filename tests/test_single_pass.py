@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 import fgrpo_kernels as fk
 from fgrpo_kernels import reference as R
-from fgrpo_kernels.losses import single_pass
 from fgrpo_kernels.backends.cpu import cpp
 from fgrpo_kernels.divergences import NAMES
 from fgrpo_kernels.head.autograd import select_backend
+from fgrpo_kernels.losses import single_pass
 from fgrpo_kernels.testing import linear_batches, rel_error
 
 from .epilogue_cases import grpo_options, side_inputs

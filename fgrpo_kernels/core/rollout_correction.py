@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .options import Level, name_of, names, parse
-from .validation import choice, positive, tensor
 from . import rollout_sources as sources
+from .options import Level, name_of, names, parse
 from .rollout_sources import saturating_exp as _exp
+from .validation import choice, positive, tensor
 
 SAFETY_BOUND = 20.0  # verl: exp(±20) bounds every weight and statistic
 MEAN_EPS = 1e-8  # verl's masked mean: Σ m·v / (Σ m + 1e-8)
