@@ -19,10 +19,16 @@ PACKAGE = "fgrpo_kernels"
 LAYERS = [
     ("core", "core.validation", "core.divergences", "divergences"),
     ("core.options",),
-    ("core.grpo_math",),
+    ("core.grpo_math", "core.kl_estimators", "core.rollout_sources", "core.rollout_correction"),
     ("core.reference", "reference"),
+    (
+        "core.policy_variants",
+        "core.policy_variants_verl",
+        "core.policy_variants_verl_pg",
+        "core.policy_m2po",
+    ),
     ("backends", "distributed"),
-    ("head.autograd",),
+    ("head.autograd", "head.options"),
     ("head", "logprobs", "losses.epilogue", "losses.metrics", "losses.single_pass"),
     ("losses", "losses_preference"),
     ("testing", "integrations", "trainer"),

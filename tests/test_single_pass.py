@@ -21,6 +21,7 @@ from fgrpo_kernels import reference as R
 from fgrpo_kernels.backends.cpu import cpp
 from fgrpo_kernels.divergences import NAMES
 from fgrpo_kernels.head.autograd import select_backend
+from fgrpo_kernels.losses import single_pass
 from fgrpo_kernels.testing import linear_batches, rel_error
 
 from .epilogue_cases import grpo_options, side_inputs
@@ -313,7 +314,7 @@ def test_gradients_are_handed_over_without_a_copy(backend):
     """The stored gradients are released before `.grad` takes them: the weight's gradient is
     the very tensor the forward formed (no second [V, H] at the end of backward)."""
     seen = {}
-    sweep_run = fk.single_pass.run
+    sweep_run = single_pass.run
 
     def spy(*args, **kwargs):
         value = sweep_run(*args, **kwargs)
@@ -321,7 +322,7 @@ def test_gradients_are_handed_over_without_a_copy(backend):
         return value
 
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(fk.single_pass, "run", spy)
+    monkeypatch.setattr(single_pass, "run", spy)
     try:
         module = fk.FusedLinearGRPOLoss(beta=0.0)
         (loss, _), (h, w) = grpo_call(module)
