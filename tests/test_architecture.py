@@ -27,6 +27,7 @@ LAYERS = [
         "core.policy_variants_verl_pg",
         "core.policy_m2po",
     ),
+    ("backends.memory", "backends.phases"),
     ("backends", "distributed"),
     ("head.autograd", "head.options"),
     ("head", "logprobs", "losses.epilogue", "losses.metrics", "losses.single_pass"),
