@@ -57,9 +57,13 @@ from fgrpo_kernels.backends.triton import bytes_per_row, configs, cublas_chunks 
 COLUMNS = ("variant", "N", "H", "V", "status", "buffer_bytes", "chunks", "row_config",
            "total_ms", *(f"{p}_ms" for p in phases.PHASES), "other_ms", "first_call_s",
            "peak_extra_gib", "cublas_ms", "cublas_tflops", "floor", "floor_ms",
-           "ratio_to_floor", "quantity", "rel_err", "tol")  # fmt: skip
+           "ratio_to_floor", "agree_with", "agree_rel", "quantity", "rel_err", "tol")  # fmt: skip
 BUFFERS = ("auto", 1.0, 4.0, 2.0, 8.0, 0.5)  # GiB, in priority order
 GEMMS_PER_ROUND = 5.0  # a loss round ≈ 3 GEMMs + the memory-bound passes; primitive 4 + …
+# A variant's (output, dh, dW) against the first variant of its kind at that N, relative norm:
+# chunking and tiles change only the summation order (bf16 gradients: ~1e-3); a broken config
+# is O(1) off. Above AGREE_TOL the row is "mismatch" and the run exits 1.
+AGREE_TOL = 2e-2
 
 
 @contextmanager
@@ -86,18 +90,22 @@ def inputs(N: int, H: int, V: int, dev):
     return h, w.requires_grad_(), y
 
 
-def timed(step, leaves, dev, iters: int) -> dict:
+def timed(step, leaves, dev, iters: int) -> tuple[dict, list]:
     """First call alone; then `iters` rounds of step() (forward + backward) with the phase
-    recorder on: median total ms, per-phase ms averaged over rounds, peak memory."""
+    recorder on: (median total ms, per-phase ms averaged over rounds, peak memory; the last
+    round's [output, *leaf grads] for the agreement check)."""
     cuda = dev.type == "cuda"
     start, stop = gpu_timing._clock(dev)
+    last = []
 
     def one():
         for t in leaves:
             t.grad = None
         t0 = start()
-        step()
-        return stop(t0)
+        out = step()
+        ms = stop(t0)
+        last[:] = [out.detach().reshape(-1)] + [t.grad for t in leaves]
+        return ms
 
     t0 = time.perf_counter()
     one()
@@ -118,7 +126,16 @@ def timed(step, leaves, dev, iters: int) -> dict:
     row["other_ms"] = max(row["total_ms"] - sum(spent.values()) / iters, 0.0)
     if cuda:
         row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-    return row
+    return row, last
+
+
+def disagreement(got: list, want: list) -> float:
+    """max over (output, dh, dW) of |got − want| / |want| (Frobenius, fp32)."""
+    out = 0.0
+    for a, b in zip(got, want, strict=True):
+        ref = float(b.float().norm())
+        out = max(out, float((a.float() - b.float()).norm()) / max(ref, 1e-30))
+    return out
 
 
 def loss_step(h, w, y, max_chunk_bytes):
@@ -130,6 +147,7 @@ def loss_step(h, w, y, max_chunk_bytes):
         loss.backward()
         if module.last_pass != "single":
             raise RuntimeError(f"the single pass did not run: {module.last_pass}")
+        return loss
 
     return step
 
@@ -140,6 +158,7 @@ def primitive_step(h, w, y):
     def step():
         logp = fgrpo_kernels.fused_linear_logprobs(h, w, y)
         (logp * g_up).sum().backward()
+        return logp
 
     return step
 
@@ -163,7 +182,8 @@ def plan(tiny: bool):
 
 
 def buffer_of(b, h, V: int, dev, tiny: bool) -> int:
-    """Bytes for a buffer choice; under --tiny a "GiB" is 8 rows (so that there are chunks)."""
+    """Bytes for a buffer choice; under --tiny a "GiB" is 8 rows (so that there are chunks) and
+    "auto" 16 rows. On a GPU "auto" is what the single pass's default takes now."""
     if b == "auto":
         return memory.buffer_bytes(dev) if not tiny else 16 * bytes_per_row(h, V)
     unit = 8 * bytes_per_row(h, V) if tiny else memory.GiB
@@ -201,6 +221,7 @@ def main(argv=None) -> int:
            or float(r.get("rel_err", 0)) > float(r.get("tol", 0))]  # fmt: skip
 
     gemm_ms: dict[int, float] = {}
+    agree: dict[tuple[str, int], tuple[str, list]] = {}  # (group, N) -> first variant's output
     for variant, N, (kind, buf, cfg) in plan(args.tiny):
         base = {"variant": variant, "N": N, "H": H, "V": V}
         if kind != "gemm" and N not in gemm_ms:
@@ -228,19 +249,26 @@ def main(argv=None) -> int:
                 given = None if buf == "auto" and not args.tiny else nbytes  # auto: the default
                 step, flops, floor = loss_step(h, w, y, given), 6, "6NHV"
                 with forced:
-                    row |= timed(step, (h, w), dev, args.iters)
+                    got, out = timed(step, (h, w), dev, args.iters)
             else:
                 floor, flops = "8NHV", 8
-                with env(cublas_chunks.ENV, kind):
+                # the cuBLAS chunks take the default buffer (tiny: 16 rows, so several chunks)
+                tiny_buf = str(16 * bytes_per_row(h, V)) if args.tiny else None
+                with env(cublas_chunks.ENV, kind), env("FGRPO_MAX_CHUNK_BYTES", tiny_buf):
                     if kind == "cublas":
-                        nbytes = buffer_of("auto", h, V, dev, args.tiny)
-                        rows = max(nbytes // bytes_per_row(h, V), 1)
-                        row |= {"buffer_bytes": nbytes, "chunks": -(-N // rows)}
-                        ctx = env("FGRPO_MAX_CHUNK_BYTES", str(nbytes))
-                    else:
-                        ctx = nullcontext()
-                    with ctx:
-                        row |= timed(primitive_step(h, w, y), (h, w), dev, args.iters)
+                        rows = cublas_chunks.rows_per_chunk(h, w)
+                        row |= {"buffer_bytes": rows * bytes_per_row(h, V),
+                                "chunks": -(-N // rows)}  # fmt: skip
+                    got, out = timed(primitive_step(h, w, y), (h, w), dev, args.iters)
+            row |= got
+            group = "loss" if kind == "loss" else "primitive"
+            if (group, N) not in agree:
+                agree[(group, N)] = (variant, out)
+            else:
+                first, want = agree[(group, N)]
+                row |= {"agree_with": first, "agree_rel": disagreement(out, want)}
+                if row["agree_rel"] > AGREE_TOL:
+                    row["status"] = f"mismatch (> {AGREE_TOL:g} against {first})"
             c = cfg or configs.row_config(args.tiny)
             rate = 2 * N * H * V / gemm_ms[N]  # FLOP per ms
             floor_ms = flops * N * H * V / rate
@@ -250,6 +278,10 @@ def main(argv=None) -> int:
             return [row]
 
         runner.run(table, base, case)
+        if kind == "gemm":  # a new N: free the previous one's reference outputs
+            for key in [k for k in agree if k[1] != N]:
+                del agree[key]
+    bad += [r for r in table.rows if r.get("status", "").startswith("mismatch")]
     meta["wall_s"] = round(args.budget_s - budget.left(), 1)
     meta["buffer_auto_bytes"] = memory.buffer_bytes(dev) if dev.type == "cuda" else None
     (args.out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -27,8 +27,12 @@ import traffic_model  # noqa: E402
 def test_buffer_rule_clamps_a_quarter_of_free_memory():
     assert memory.auto_bytes(free=140 * GiB, fixed=4 * GiB) == memory.CAP  # an idle H200
     assert memory.auto_bytes(free=12 * GiB, fixed=4 * GiB) == 2 * GiB  # (12 − 4) / 4
+    assert memory.auto_bytes(free=15 * GiB, fixed=4 * GiB) == 2 * GiB  # 2.75: a power of two
     assert memory.auto_bytes(free=3 * GiB, fixed=2 * GiB) == memory.FLOOR  # never below 1 GiB
     assert memory.auto_bytes(free=140 * GiB, fixed=0, cap=GiB // 2) == GiB // 2  # a user cap
+    assert memory.auto_bytes(free=140 * GiB, fixed=0, cap=3 * GiB) == 3 * GiB  # taken as is
+    sizes = {memory.auto_bytes(free=f * GiB // 8, fixed=0) for f in range(0, 200)}
+    assert sizes == {GiB, 2 * GiB, 4 * GiB}  # the chunking moves only at thresholds
     assert memory.fixed_bytes(151936, 4096, torch.bfloat16) == 151936 * 4096 * 6
     with pytest.raises(ValueError, match="free and fixed"):
         memory.auto_bytes(free=-1, fixed=0)
@@ -71,6 +75,30 @@ def test_buffer_env(monkeypatch):
     monkeypatch.setenv(cublas_chunks.ENV, "magic")
     with pytest.raises(ValueError, match=cublas_chunks.ENV):
         cublas_chunks.chosen()
+
+
+def test_device_rule_counts_the_allocator_cache(monkeypatch):
+    """On CUDA the rule sees the driver's free memory plus the caching allocator's unused
+    blocks; $FGRPO_CHUNK_CAP_BYTES caps it and $FGRPO_CHUNK_BUFFER=fixed gives 1 GiB (faked
+    device: no GPU here)."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (6 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 12 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 2 * GiB)
+    for name in ("FGRPO_MAX_CHUNK_BYTES", memory.CAP_ENV, memory.MODE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert memory.available(cuda) == 16 * GiB
+    assert memory.buffer_bytes(cuda) == 4 * GiB  # 16 / 4
+    assert memory.buffer_bytes(cuda, fixed=8 * GiB) == 2 * GiB  # (16 − 8) / 4
+    monkeypatch.setenv(memory.CAP_ENV, str(GiB + 5))
+    assert memory.buffer_bytes(cuda) == GiB + 5
+    monkeypatch.setenv(memory.CAP_ENV, "big")
+    with pytest.raises(ValueError, match=memory.CAP_ENV):
+        memory.buffer_bytes(cuda)
+    monkeypatch.setenv(memory.MODE_ENV, "fixed")
+    assert memory.buffer_bytes(cuda) == memory.FLOOR
+    monkeypatch.setenv("FGRPO_MAX_CHUNK_BYTES", "777")
+    assert memory.buffer_bytes(cuda) == 777
 
 
 def test_phase_hook_records_only_inside_recording():
@@ -152,6 +180,22 @@ def test_gpu_perf_tiny_writes_the_phase_csv(tmp_path):
         assert float(r["epilogue_ms"]) > 0 and int(r["chunks"]) >= 1
     cub = [r for r in rows if r["variant"] == "primitive_cublas"]
     assert cub and all(r["floor"] == "8NHV" and float(r["grad_kernel_ms"]) > 0 for r in cub)
+    assert all(int(r["chunks"]) > 1 for r in cub)
+    # every variant agrees with the first of its kind (buffer_auto, primitive_tiles)
+    checked = [r for r in rows if r["agree_with"]]
+    assert {r["agree_with"] for r in checked} == {"buffer_auto", "primitive_tiles"}
+    assert len(checked) == len(loss) - 1 + 3 + 1, [r["variant"] for r in checked]
+    assert all(0 <= float(r["agree_rel"]) <= 2e-2 for r in checked), checked
     corr = [r for r in rows if r["variant"] == "correctness"]
     assert {"loss", "d_hidden", "d_weight", "single_pass_ran"} <= {r["quantity"] for r in corr}
     assert all(float(r["rel_err"]) <= float(r["tol"]) for r in corr), corr
+
+
+def test_disagreement_flags_a_broken_variant():
+    import gpu_perf
+
+    want = [torch.ones(3), torch.ones(2, 2, dtype=torch.bfloat16)]
+    assert gpu_perf.disagreement(want, want) == 0.0
+    bad = [torch.ones(3), torch.full((2, 2), 1.5, dtype=torch.bfloat16)]
+    got = gpu_perf.disagreement(bad, want)
+    assert got == pytest.approx(0.5) and got > gpu_perf.AGREE_TOL

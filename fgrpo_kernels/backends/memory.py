@@ -4,14 +4,20 @@ Rule (docs/gpu-performance.md derives it from the traffic model): on a CUDA devi
 `max_chunk_bytes` and no $FGRPO_MAX_CHUNK_BYTES, the buffer (fp32 logits + low-precision
 dlogits of a chunk of rows) gets
 
-    clamp(FRACTION · (free − fixed), FLOOR, cap)      cap = $FGRPO_CHUNK_CAP_BYTES or CAP
+    min(cap, FLOOR · 2^k), the largest such power-of-two multiple ≤ FRACTION · (free − fixed),
+    never below FLOOR;  cap = $FGRPO_CHUNK_CAP_BYTES or CAP
 
-where `free` is `torch.cuda.mem_get_info` and `fixed` the sweep's other allocations (the fp32
-dW [V, H] and its copy in the weight dtype, read from the operands by the caller). FLOOR is the
-former fixed default (1 GiB): the buffer never shrinks below it (a device that cannot hold it
-fails as before). CAP (4 GiB) bounds the buffer: past it the dW read-modify-write traffic it
-saves is under ~4% of the loss (docs). $FGRPO_CHUNK_BUFFER=fixed restores the fixed 1 GiB.
-A `max_chunk_bytes` given by the user is taken as is. The CPU keeps its 32 MiB.
+where `free` is what the device can still hand out: the driver's free memory
+(`torch.cuda.mem_get_info`) plus what PyTorch's caching allocator holds unused (reserved −
+allocated), and `fixed` what the caller knows it will still allocate beside the buffer (the
+cuBLAS primitive path passes its fp32 dW; the single pass passes none and the FRACTION leaves
+the room). Rounding down to a power of two keeps the chunking, and so the order in which dW is
+summed, the same from step to step unless free memory crosses a threshold. FLOOR is the former
+fixed default (1 GiB): the buffer never shrinks below it (a device that cannot hold it fails as
+before). CAP (4 GiB) bounds the buffer: by the traffic model, past it the per-chunk dW
+read-and-write it saves is under 2% of the loss. $FGRPO_CHUNK_BUFFER=fixed restores the fixed
+1 GiB (bit-for-bit reproducible chunking whatever the free memory). A `max_chunk_bytes` given
+by the user is taken as is. The CPU keeps its 32 MiB.
 """
 
 from __future__ import annotations
@@ -47,12 +53,17 @@ def mode() -> str:
 
 
 def auto_bytes(free: int, fixed: int, cap: int | None = None) -> int:
-    """The rule above on given numbers (bytes): clamp(FRACTION·(free − fixed), FLOOR, cap)."""
+    """The rule above on given numbers (bytes)."""
     if free < 0 or fixed < 0:
         raise ValueError(f"free and fixed: expected bytes >= 0; got {free}, {fixed}")
     cap = CAP if cap is None else cap
+    if cap < FLOOR:
+        return cap
     share = int(FRACTION * max(free - fixed, 0))
-    return max(FLOOR, min(share, cap)) if cap >= FLOOR else cap
+    size = FLOOR
+    while 2 * size <= share:
+        size *= 2
+    return min(size, cap)
 
 
 def fixed_bytes(V: int, H: int, weight_dtype: torch.dtype) -> int:
@@ -60,19 +71,25 @@ def fixed_bytes(V: int, H: int, weight_dtype: torch.dtype) -> int:
     return V * H * (4 + torch.empty((), dtype=weight_dtype).element_size())
 
 
+def available(device: torch.device) -> int:
+    """Bytes this process can still allocate on `device`: the driver's free memory plus the
+    caching allocator's reserved-but-unallocated blocks."""
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + max(cached, 0)
+
+
 def device_chunk_bytes(device: torch.device, fixed: int = 0) -> int:
-    """The CUDA default buffer: the rule on this device's free memory now (FLOOR when fixed)."""
+    """The CUDA default buffer: the rule on this device's memory now (FLOOR when fixed)."""
     if mode() == "fixed":
         return FLOOR
-    cap = _env_bytes(CAP_ENV)
-    free, _total = torch.cuda.mem_get_info(device)
-    return auto_bytes(free, fixed, cap)
+    return auto_bytes(available(device), fixed, _env_bytes(CAP_ENV))
 
 
-def buffer_bytes(device: torch.device, env: str = "FGRPO_MAX_CHUNK_BYTES") -> int:
+def buffer_bytes(device: torch.device, env: str = "FGRPO_MAX_CHUNK_BYTES", fixed: int = 0) -> int:
     """A chunked path's buffer budget when the caller gave none: $FGRPO_MAX_CHUNK_BYTES, else
-    the rule on CUDA, else 32 MiB on the CPU (the single pass's defaults)."""
+    the rule on CUDA (`fixed` as there), else 32 MiB on the CPU (the single pass's defaults)."""
     given = _env_bytes(env)
     if given is not None:
         return given
-    return device_chunk_bytes(device) if device.type == "cuda" else 32 << 20
+    return device_chunk_bytes(device, fixed) if device.type == "cuda" else 32 << 20

@@ -10,7 +10,7 @@ cuBLAS rate, the fp32 logits make a round trip through memory. Chosen with
 $FGRPO_PRIMITIVE=cublas ("tiles", the default, keeps the Triton tiles); operands the row path
 cannot take (mixed dtypes, no fp32-output cuBLAS product, a vocabulary shard) keep the tiles.
 The buffer is `backends.memory.buffer_bytes` ($FGRPO_MAX_CHUNK_BYTES, else sized from free
-memory on CUDA, 32 MiB on the CPU).
+memory on CUDA less the fp32 dW and its copy, 32 MiB on the CPU).
 """
 
 from __future__ import annotations
@@ -44,9 +44,12 @@ def applies(hidden, weight, opts: LogProbOptions) -> bool:
     return logits_rows.unsupported(hidden, weight) is None
 
 
-def _rows(hidden, V: int) -> int:
+def rows_per_chunk(hidden, weight) -> int:
+    """Rows per chunk; on CUDA the buffer rule leaves room for the fp32 dW and its copy."""
+    V, H = weight.shape
     per_row = logits_rows.bytes_per_row(hidden, V)
-    return max(1, memory.buffer_bytes(hidden.device) // per_row)
+    fixed = memory.fixed_bytes(V, H, weight.dtype)
+    return max(1, memory.buffer_bytes(hidden.device, fixed=fixed) // per_row)
 
 
 def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entropy: bool):
@@ -58,7 +61,7 @@ def logprob_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entr
     logp = torch.zeros(N, dtype=torch.float32, device=dev)
     lse = torch.zeros_like(logp)
     entropy = torch.zeros_like(logp) if return_entropy else None
-    rows = _rows(hidden, V)
+    rows = rows_per_chunk(hidden, weight)
     buf = logits_rows.logits_buffer(min(rows, N), V, hidden) if N else None
     for n0 in range(0, N, rows):
         n1 = min(n0 + rows, N)
@@ -84,7 +87,7 @@ def logprob_bwd(hidden, weight, targets, bias, lse, entropy, grad_logp, grad_ent
     acc = torch.float32
     dh = torch.empty(N, H, dtype=hidden.dtype, device=dev) if need_h else None
     dh_buf = None
-    rows = _rows(hidden, V)
+    rows = rows_per_chunk(hidden, weight)
     if need_h and hidden.dtype != acc:
         dh_buf = torch.empty(min(rows, N), H, dtype=acc, device=dev)
     dw = torch.zeros(V, H, dtype=acc, device=dev) if need_w else None
