@@ -9,6 +9,7 @@ ways, then logp = z_y − logsumexp(z) against the float64 computation:
     rne_k64   fp32 accumulator, one exact product of each 64-wide K block (BLOCK_K of the Triton
               tiles) added with round-to-nearest: the IEEE floor, what the interpreter computes
     rne_k16   the same with 16-wide steps (one Hopper wgmma K step for bf16)
+    sgemm     torch's float32 product on the CPU (the BLAS's own blocking, round to nearest)
     rz_k16    16-wide steps, each sum truncated toward zero: a model of tensor-core
               accumulation (significands aligned and truncated; Fasi et al. 2021 measured
               round-toward-zero accumulation on V100/T4/A100 tensor cores)
@@ -38,6 +39,8 @@ def logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, mode: str) -> torc
     "exact" is the float64 product."""
     if mode == "exact":
         return h @ w.T + b
+    if mode == "sgemm":
+        return h.float() @ w.float().T + b.float()
     step = 64 if mode.endswith("k64") else 16
     acc = torch.zeros(h.shape[0], w.shape[0], dtype=torch.float32)
     for k0 in range(0, h.shape[1], step):
@@ -47,7 +50,10 @@ def logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, mode: str) -> torc
     return acc + b.float()
 
 
-def measure(H: int, N: int, V: int, seeds: int, modes=("rne_k64", "rne_k16", "rz_k16")) -> dict:
+MODES = ("rne_k64", "rne_k16", "sgemm", "rz_k16")
+
+
+def measure(H: int, N: int, V: int, seeds: int, modes=MODES) -> dict:
     """mode -> (max |Δlogp|, rms |Δlogp|, max |Δz|) against float64."""
     err = {m: [] for m in modes}
     dz = {m: 0.0 for m in modes}

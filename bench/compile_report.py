@@ -5,7 +5,8 @@
 Compiles every autotune candidate of `fgrpo_kernels.backends.triton.configs.CANDIDATES` for
 its dtype variants (with and without bias, entropy on and off), the single pass's row kernels
 (`kernels.logits_rows`, `configs.ROW_CONFIG`) for fp32, bf16 and fp16 with and without bias
-and entropy, and every loss-epilogue configuration of
+and entropy, plus the other `configs.ROW_CANDIDATES` (bench/gpu_perf.py's row-kernel variants)
+for bf16 without bias, with and without entropy, and every loss-epilogue configuration of
 `fgrpo_kernels.backends.triton.epilogue.AOT_SPECS`,
 with `triton.compile(ASTSource(...), target=GPUTarget(...))`, then runs `ptxas -v`
 (ptxas-blackwell, -arch=sm_90a / sm_80) on the PTX. Needs no GPU, but real JITFunctions:

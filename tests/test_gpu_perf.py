@@ -58,6 +58,10 @@ def test_traffic_model_uses_the_code_s_chunks_and_meets_the_measured_run():
         with pytest.raises(ValueError, match="N|budget"):
             traffic_model.model(**bad)
     assert "| 65536 | 1 | 1177 | 56 |" in traffic_model.table(4.8e12)
+    prim = traffic_model.model(8192, GiB, kind="primitive")
+    assert prim["gemm_ms"] == pytest.approx(4 / 3 * traffic_model.model(8192, GiB)["gemm_ms"])
+    with pytest.raises(ValueError, match="kind"):
+        traffic_model.model(8192, GiB, kind="both")
 
 
 def test_buffer_env(monkeypatch):
