@@ -5,7 +5,7 @@ Rule (docs/gpu-performance.md derives it from the traffic model): on a CUDA devi
 dlogits of a chunk of rows) gets
 
     min(cap, FLOOR · 2^k), the largest such power-of-two multiple ≤ FRACTION · (free − fixed),
-    never below FLOOR;  cap = $FGRPO_CHUNK_CAP_BYTES or CAP
+    never below FLOOR (a cap under FLOOR wins);  cap = $FGRPO_CHUNK_CAP_BYTES or CAP
 
 where `free` is what the device can still hand out: the driver's free memory
 (`torch.cuda.mem_get_info`) plus what PyTorch's caching allocator holds unused (reserved −
@@ -14,9 +14,9 @@ cuBLAS primitive path passes its fp32 dW; the single pass passes none and the FR
 the room). Rounding down to a power of two keeps the chunking, and so the order in which dW is
 summed, the same from step to step unless free memory crosses a threshold. FLOOR is the former
 fixed default (1 GiB): the buffer never shrinks below it (a device that cannot hold it fails as
-before). CAP (4 GiB) bounds the buffer: by the traffic model, past it the per-chunk dW
-read-and-write it saves is under 2% of the loss. $FGRPO_CHUNK_BUFFER=fixed restores the fixed
-1 GiB (bit-for-bit reproducible chunking whatever the free memory). A `max_chunk_bytes` given
+before). CAP (4 GiB) bounds the buffer: by the traffic model, past it a doubling saves about
+2% of the loss in per-chunk dW read-and-write (an estimate). $FGRPO_CHUNK_BUFFER=fixed restores
+the fixed 1 GiB (chunking that never depends on the free memory). A `max_chunk_bytes` given
 by the user is taken as is. The CPU keeps its 32 MiB.
 """
 
