@@ -30,7 +30,7 @@ IMPLS = {  # name -> (`fgrpo bench` peer, extra environment)
     "two_pass": ("ours", {"FGRPO_MAX_CHUNK_BYTES": "0"}),
     "single": ("ours", {}),
     "eager": ("eager", {}),
-    "liger": ("liger", {}),
+    "liger": ("liger (eager)", {}),  # as on the CPU before: Liger's compiled=False
 }
 
 

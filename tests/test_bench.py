@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from fgrpo_kernels import cli, cpu_backend
+from fgrpo_kernels.benchmarks import cli as bench_cli
 from fgrpo_kernels.benchmarks import measure, report
 from fgrpo_kernels.benchmarks.presets import PRESETS, Case, Policy
 
@@ -53,7 +54,7 @@ def bench(tmp_path, *extra):
 def tiny_run(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("FGRPO_BACKEND", "cpu")
-    mp.setenv("FGRPO_BENCH_FAKE", "oom:liger")
+    mp.setenv("FGRPO_BENCH_FAKE", "oom:liger (eager)")
     try:
         yield bench(tmp_path_factory.mktemp("bench"), "--tokens", "64,128", "--repeats", "1")
     finally:
@@ -68,6 +69,7 @@ def test_csv_schema(tiny_run):
     assert set(REQUIRED) <= set(reader.fieldnames)
     expected = {(c.impl, c.workload, c.pass_, c.tokens) for c in PRESETS["tiny"].cases()}
     assert {(r["impl"], r["workload"], r["pass"], int(r["tokens"])) for r in rows} == expected
+    assert rows[0]["impl"] == "gemm"  # the floor's rate comes first
     for r in rows:
         assert r["status"] in ("ok", "oom"), r
         assert (r["vocab"], r["hidden"], r["dtype"], r["device"]) == ("512", "32", "float32", "cpu")
@@ -82,7 +84,7 @@ def test_csv_schema(tiny_run):
 
 def test_fake_oom_is_a_row(tiny_run):
     rows = report.read_csv(tiny_run / "results.csv")
-    liger = [r for r in rows if r["impl"] == "liger"]
+    liger = [r for r in rows if r["impl"] == "liger (eager)"]
     assert liger and all(r["status"] == "oom" and r["time_ms"] is None for r in liger)
     assert "simulated out of memory" in liger[0]["note"]
     # a preset lists what it runs: ours fgrpo is capped at N=64, so there is no N=128 row
@@ -110,7 +112,7 @@ def test_markdown_table(tiny_run, capsys):
     table = [line for line in md.splitlines() if line.startswith("|")]
     assert table[0].startswith("| workload | pass | N | B | V | H | dtype | impl | status |")
     assert len(table) == 2 + len(report.read_csv(tiny_run / "results.csv"))
-    assert "| `liger` | oom |" in md
+    assert "| `liger (eager)` | oom |" in md
     assert "`ours` / `eager` (grpo fwd+bwd, N=128, B=8, V=512" in md
     assert "load average" in md.splitlines()[0]
 
@@ -143,7 +145,11 @@ def test_error_is_a_row(monkeypatch):
     assert result["status"] == "error" and "simulated error" in result["note"]
 
 
-def test_cuda_only_impl_is_unavailable_on_cpu():
+def test_cuda_only_impl_is_unavailable_on_cpu(monkeypatch):
+    result = measure.measure(tiny(impl="verl_triton", workload="logprobs"), "none")
+    assert result["status"] == "unavailable" and "cuda only" in result["note"]
+    # the Triton peers that run under the interpreter (the suite's) are unavailable without it
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     result = measure.measure(tiny(impl="liger_triton"), "none")
     assert result["status"] == "unavailable" and "cuda only" in result["note"]
 
@@ -155,7 +161,7 @@ def test_workload_a_peer_lacks_is_unavailable():
 
 def test_gpu_preset_dry_run(capsys):
     assert cli.main(["bench", "--preset", "gpu", "--device", "cpu", "--dry-run"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = [line.split("  ~")[0] for line in capsys.readouterr().out.splitlines()]
     # the materialising peers are listed at every size: the GPU's own out-of-memory bounds them
     assert "eager grpo fwd+bwd N=131072 B=8 V=151936 H=4096" in lines
     assert "ours grpo fwd+bwd N=131072 B=8 V=151936 H=4096" in lines
@@ -166,8 +172,148 @@ def test_spent_budget_skips_the_rest(tmp_path):
     out = bench(tmp_path, "--budget-s", "0", "--impls", "ours,eager")
     rows = report.read_csv(out / "results.csv")
     assert rows and all(r["status"] == "skipped" for r in rows)
-    assert all("time budget" in r["note"] for r in rows)
+    assert all("time budget of 0 s from process start" in r["note"] for r in rows)
     assert (out / "bench.png").read_bytes()[:8] == PNG
+
+
+def test_process_age_counts_from_the_start_of_the_process():
+    """Not from the first case: this pytest process imported torch and more before it."""
+    import subprocess
+    import sys
+
+    age = bench_cli.process_age_s()
+    assert 0 < age < 24 * 3600
+    code = "import time; time.sleep(1.0); from fgrpo_kernels.benchmarks import cli; "
+    code += "print(cli.process_age_s())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout) >= 1.0  # the second before the import counts
+
+
+def test_budget_counts_the_process_age(tmp_path, monkeypatch):
+    """A process already older than the budget runs no case, whatever the first case costs."""
+    monkeypatch.setattr(bench_cli, "process_age_s", lambda: 100.0)
+    out = bench(tmp_path, "--budget-s", "99", "--impls", "ours")
+    rows = report.read_csv(out / "results.csv")
+    assert rows and {r["status"] for r in rows} == {"skipped"}
+
+
+def test_cuda_case_that_would_not_fit_the_budget_is_skipped(tmp_path, monkeypatch):
+    """CUDA cases run in-process (they cannot be stopped): one whose estimate exceeds what is
+    left is skipped before it starts, its note giving both numbers."""
+    monkeypatch.setattr(bench_cli, "process_age_s", lambda: 0.0)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(bench_cli, "machine", lambda: "a test machine")
+    seen = []
+    monkeypatch.setattr(measure, "measure", lambda case, isolation: seen.append(case))
+    from fgrpo_kernels.benchmarks import estimate
+
+    monkeypatch.setattr(estimate, "case_seconds", lambda case: 50.0)
+    out = tmp_path / "o"
+    argv = ["bench", "--preset", "gpu-quick", "--budget-s", "40", "--out", str(out)]
+    assert cli.main(argv) == 0
+    rows = report.read_csv(out / "results.csv")
+    assert not seen and rows and {r["status"] for r in rows} == {"skipped"}
+    assert "the case needs ~50 s (estimate)" in rows[0]["note"]
+
+
+def test_report_is_rewritten_after_every_case(tmp_path, monkeypatch):
+    """A run killed after its first case keeps that row in results.csv, results.md and the plot."""
+    real = measure.measure
+    calls = []
+
+    def measure_then_die(case, isolation):
+        calls.append(case)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the kill, after one finished case
+        return real(case, isolation)
+
+    monkeypatch.setattr(measure, "measure", measure_then_die)
+    out = tmp_path / "out"
+    argv = ["bench", "--preset", "tiny", "--device", "cpu", "--out", str(out), "--tokens", "64"]
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(argv + ["--impls", "gemm,ours", "--repeats", "1"])
+    rows = report.read_csv(out / "results.csv")
+    assert [r["impl"] for r in rows] == ["gemm"]
+    md = (out / "results.md").read_text()
+    assert "| `gemm` | ok |" in md and "1 cases done" in md.splitlines()[0]
+    assert (out / "bench.png").read_bytes()[:8] == PNG
+
+
+def test_floor_uses_the_gemm_of_the_run_and_each_peers_k(tiny_run):
+    rows = report.read_csv(tiny_run / "results.csv")
+    gemm = {r["tokens"]: r for r in rows if r["impl"] == "gemm"}
+    assert set(gemm) == {64, 128}
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        g = gemm[r["tokens"]]
+        rate = 2 * r["tokens"] * r["hidden"] * r["vocab"] / (g["time_ms"] / 1e3)
+        assert r["gemm_tflops"] == pytest.approx(rate / 1e12, rel=1e-3)
+        floor_s = r["floor_k"] * r["tokens"] * r["hidden"] * r["vocab"] / rate
+        assert r["flop_floor_ratio"] == pytest.approx(r["time_ms"] / 1e3 / floor_s, rel=2e-3)
+    k = {(r["impl"], r["workload"], r["pass"]): r["floor_k"] for r in rows}
+    assert k[("gemm", "gemm", "fwd")] == 2 and k[("ours", "logprobs", "fwd")] == 2
+    assert k[("eager", "grpo", "fwd+bwd")] == 6  # the bf16/fp32 logits are kept for backward
+    assert k[("ours_two_pass", "grpo", "fwd+bwd")] == 8  # the backward recomputes them
+    assert k[("ours", "grpo", "fwd+bwd")] == 6  # single pass: the gradient in the forward
+    assert "× floor (k)" in (tiny_run / "results.md").read_text()
+
+
+def test_every_ok_peer_row_passed_the_oracle_check(tiny_run):
+    rows = report.read_csv(tiny_run / "results.csv")
+    checked = [r for r in rows if r["status"] == "ok" and r["impl"] != "gemm"]
+    assert checked and all(r["check"] and r["check"].startswith("out ") for r in checked)
+    assert all("dhidden" in r["check"] for r in checked if r["pass"] == "fwd+bwd")
+
+
+def test_a_peer_that_fails_the_oracle_is_wrong_and_not_timed(monkeypatch):
+    monkeypatch.setenv("FGRPO_BENCH_FAKE", "wrong:eager")
+    result = measure.measure(tiny(impl="eager", workload="logprobs"), "none")
+    assert result["status"] == "wrong" and "time_ms" not in result, result
+    assert "against the float64 oracle: out" in result["note"]
+    ok = measure.measure(tiny(impl="ours", workload="logprobs"), "none")  # only eager is off
+    assert ok["status"] == "ok"
+
+
+def test_dynamo_failure_gives_a_liger_eager_row(monkeypatch):
+    """Liger's compiled loss failing in dynamo: the row is `liger (eager)`, its note the error."""
+    import dataclasses
+
+    import torch
+
+    from fgrpo_kernels.benchmarks.peers import PEERS
+
+    def broken(device):
+        def step(w):
+            torch._dynamo.graph_break()
+            return w.hidden.sum()
+
+        return torch.compile(step, fullgraph=True)
+
+    peer = dataclasses.replace(PEERS["liger"], losses={"grpo": broken})
+    monkeypatch.setitem(PEERS, "liger", peer)
+    pytest.importorskip("liger_kernel")
+    result = measure.measure(tiny(impl="liger"), "none")
+    assert result["case"]["impl"] == "liger (eager)" and result["status"] == "ok", result
+    assert result["note"].startswith("liger failed to compile (")
+    assert "graph_break" in result["note"] or "Unsupported" in result["note"]
+
+
+def test_cuda_dry_run_on_a_machine_without_cuda(capsys, monkeypatch):
+    """The quick GPU plan prints with its estimate, within the 240 s budget, without CUDA."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert cli.main(["bench", "--device", "cuda", "--quick", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    cases = [line for line in out if "  ~" in line]
+    impls = {line.split()[0] for line in cases}
+    assert {"gemm", "liger_flce", "verl_triton", "ours_two_pass", "liger", "eager"} <= impls
+    assert {"compile", "cce", "trl", "verl", "liger_triton", "ours"} <= impls
+    assert {int(line.split("N=")[1].split()[0]) for line in cases} == {8192, 32768, 65536}
+    assert all(" fwd+bwd " in line or line.startswith("gemm") for line in cases)
+    assert all("V=151936 H=4096" in line for line in cases)
+    total = float(out[-1].split("estimated ")[1].split(" s")[0])
+    assert 100 < total <= 240 and "budget 240 s" in out[-1]
+    assert cases[0].startswith("gemm gemm fwd N=8192")  # each size's GEMM first
 
 
 def test_replot_redraws_from_the_csv(tiny_run, tmp_path):

@@ -184,3 +184,14 @@ def test_single_pass_bf16_rows_carry_the_loss_tolerance(triton_backend):
     assert rows["single_pass_ran"]["ok"] == 1
     loss = rows["loss"]
     assert loss["ok"] == 1 and loss["tol"] > 1e-5 and loss["rel_err"] <= loss["tol"]
+
+
+def test_floor_k_counts_the_logits_gemms_each_impl_runs():
+    """eager and torch.compile keep the logits (6·N·H·V with both gradients), the two-pass loss
+    recomputes them (8), the log-prob primitives recompute (8), a forward alone is 2."""
+    assert gpu_timing.floor_k("eager", "fwd+bwd") == 6
+    assert gpu_timing.floor_k("torch_compile", "fwd+bwd") == 6
+    assert gpu_timing.floor_k("ours", "fwd+bwd") == 8
+    assert gpu_timing.floor_k("ours_grpo_single", "loss fwd+bwd") == 6
+    assert gpu_timing.floor_k("ours_grpo_two_pass", "loss fwd+bwd") == 8
+    assert gpu_timing.floor_k("ours", "fwd no_grad") == 2

@@ -3,11 +3,18 @@
     fgrpo bench --device cpu --quick --out DIR        # 2-core CPU, under 5 minutes
     fgrpo bench --preset cpu-long --out DIR           # CPU, single sequences and groups to 131k
     fgrpo bench --preset train-memory --out DIR       # one TRL training step, Qwen2-shaped
-    fgrpo bench --device cuda --out DIR               # the H200 preset (bf16, V 151,936, H 4096)
+    fgrpo bench --device cuda --quick --out DIR       # H200: N 8k-64k, fits 240 s (estimate)
+    fgrpo bench --device cuda --dry-run --quick       # the plan and its estimated time, no GPU
+    fgrpo bench --preset train-gpu --out DIR          # one GRPO optimizer step, Qwen2.5-1.5B shape
+    fgrpo bench --preset train-gpu --tiny --out DIR   # the same on the CPU at toy size
 
 Writes DIR/results.csv, DIR/results.md, DIR/bench.png and DIR/meta.json (the command, the
 machine, its load average before and after, the peers' versions), and prints the markdown table.
-A failed case (oom, timeout, error, a peer not installed) is a row, not a crash.
+The report is rewritten after every case, so a killed run keeps every finished row. A failed
+case (oom, timeout, error, a peer not installed, `wrong` against the oracle) is a row, not a
+crash. `--budget-s` counts from the start of the process (imports and plots included): a case
+that would not fit is a `skipped` row. Each size's first case is `gemm`, the matmul of the shape,
+whose rate sets every row's floor k·N·H·V.
 """
 
 from __future__ import annotations
@@ -25,11 +32,24 @@ import time
 from pathlib import Path
 
 from .peers import PEERS
-from .presets import PRESETS, Case, Preset, default_preset
+from .presets import PRESETS, Case, Preset, default_preset, tiny_train_gpu
 from .train_step import VLLM_IS_MODES
 from .workload import PASSES
 
-GPU_PEAK_TFLOPS = 790.0  # H200 dense bf16
+_IMPORTED = time.monotonic()
+REPORT_GUESS_S = 5.0  # writing results.md and bench.png, before the first write is timed
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc), else since this module's import."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -58,14 +78,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-time", type=float, help="stop repeating after this many timed s")
     p.add_argument("--timeout", type=float, help="seconds per CPU case before a timeout row")
     p.add_argument("--max-mem-gib", type=float, help="CPU: cap each case's extra memory (GiB)")
-    p.add_argument("--budget-s", type=float, help="skip the remaining cases after this many s")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        help="seconds from the start of the process (plots included); later cases are skipped",
+    )
+    p.add_argument("--tiny", action="store_true", help="train-gpu: a toy model on the CPU")
     p.add_argument(
         "--mmap-threshold-mib",
         type=float,
         help="CPU: fix glibc's mmap threshold in the workers, so that RSS follows the live "
         "tensors instead of the allocator's cache (tiled impls then pay page faults in time)",
     )
-    p.add_argument("--peak-tflops", type=float, help=f"FLOP floor peak (cuda: {GPU_PEAK_TFLOPS})")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the floor's rate for shapes without a gemm row (default: the run's GEMM only)",
+    )
     p.add_argument(
         "--isolation",
         choices=("fork", "exec", "none"),
@@ -80,7 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bias-correction-kl", action="store_true", help="train-step: TRL's bias-corrected KL"
     )
-    p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
+    p.add_argument(
+        "--dry-run", action="store_true", help="list the cases with an estimated time and exit"
+    )
     p.add_argument(
         "--replot", action="store_true", help="redraw --out's bench.png and results.md from its CSV"
     )
@@ -91,6 +122,12 @@ def _cases(args) -> tuple[Preset, list[Case]]:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     preset = PRESETS[args.preset] if args.preset else default_preset(device, args.quick)
+    if args.preset and not args.device:
+        device = preset.device  # a preset names its device (gpu, gpu-quick, train-gpu: cuda)
+    if args.tiny:
+        if preset.name != "train-gpu":
+            raise SystemExit("fgrpo bench: --tiny goes with --preset train-gpu")
+        preset, device = tiny_train_gpu(), args.device or "cpu"
     changes = {"device": device}
     for name in ("tokens", "vocab", "hidden", "dtype", "generations"):
         if getattr(args, name):
@@ -148,12 +185,13 @@ def load_average() -> str:
 
 def versions(cases: list[Case]) -> dict[str, str]:
     """The installed version of every peer package the run uses."""
-    names = {c.impl for c in cases if c.impl in PEERS}
-    if any(c.workload == "train-step" for c in cases):
+    names = {c.impl for c in cases if c.impl in PEERS} | {"eager"}  # eager: torch's version
+    train = any(c.workload in ("train-step", "train-gpu") for c in cases)
+    if train:
         names |= {"trl", "liger"}
-        names.discard("ours")
-    out = {PEERS[n].package or "torch": PEERS[n].version() for n in names if n != "ours"}
-    if any(c.workload == "train-step" for c in cases):
+    out = {PEERS[n].package or "torch": PEERS[n].version() for n in names}
+    out["torch"] = PEERS["ours"].version()
+    if train:
         out["transformers"] = importlib.metadata.version("transformers")
     return dict(sorted(out.items()))
 
@@ -172,21 +210,23 @@ def run(args) -> int:
 
     import fgrpo_kernels
 
-    from . import report
+    from . import estimate, report
     from .measure import measure, row
 
     if args.replot:
         return _write_report(report.read_csv(args.out / "results.csv"), args.out)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("fgrpo bench: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
-        return 2
     preset, cases = _cases(args)
     if args.dry_run:
-        for case in cases:
-            print(case.label())
+        lines, total = estimate.plan(cases)
+        print("\n".join(lines))
+        budget = f" (budget {preset.budget_s:.0f} s)" if preset.budget_s is not None else ""
+        print(f"{len(cases)} cases, estimated {total:.0f} s{budget} (a plan, not a measurement)")
         return 0
+    if cases and cases[0].device == "cuda" and not torch.cuda.is_available():
+        print("fgrpo bench: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
     device = cases[0].device if cases else "cpu"
-    peak = args.peak_tflops or (GPU_PEAK_TFLOPS if device == "cuda" else None)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     args.out.mkdir(parents=True, exist_ok=True)
     start = datetime.datetime.now(datetime.timezone.utc)
     meta = {
@@ -195,10 +235,13 @@ def run(args) -> int:
         "date_utc": start.isoformat(timespec="seconds"),
         "machine": machine(),
         "load_average_before": load_average(),
-        "cpu_backend": fgrpo_kernels.cpu_backend(),
+        "cpu_backend": fgrpo_kernels.cpu_backend() if device == "cpu" else None,
         "fgrpo_kernels": fgrpo_kernels.__version__,
         "versions": versions(cases),
         "policy": dataclasses.asdict(preset.policy),
+        "budget_s": preset.budget_s,
+        "floor": "k·N·H·V at the GEMM rate of the shape measured in this run"
+        + (f"; {args.peak_tflops} TFLOP/s where no gemm row ran" if peak else ""),
     }
     if preset.note:
         meta["note"] = preset.note
@@ -208,18 +251,39 @@ def run(args) -> int:
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # kept if interrupted
     writer = report.CsvWriter(args.out / "results.csv")
     records, bar, t0 = [], _progress(len(cases)), time.perf_counter()
+    rates: dict[tuple, float] = {}
+    report_s = REPORT_GUESS_S
     for i, case in enumerate(cases):
         if bar is not None:
             bar.set_description(case.label())
-        if preset.budget_s is not None and time.perf_counter() - t0 > preset.budget_s:
-            result = row(case, "skipped", f"time budget of {preset.budget_s:.0f} s spent")
+        left = None if preset.budget_s is None else preset.budget_s - process_age_s() - report_s
+        need = estimate.case_seconds(case)
+        if left is not None and (left <= 0 or (case.device == "cuda" and need > left)):
+            note = f"time budget of {preset.budget_s:.0f} s from process start spent"
+            if left > 0:
+                note += f": {left:.0f} s left, the case needs ~{need:.0f} s (estimate)"
+            result = row(case, "skipped", note)
         else:
+            if left is not None and case.device == "cpu":  # its worker is killed at the limit
+                policy = dataclasses.replace(
+                    case.policy, timeout_s=max(1.0, min(case.policy.timeout_s, left))
+                )
+                case = dataclasses.replace(case, policy=policy)
             started = time.perf_counter()
             result = measure(case, args.isolation)
             result["case_s"] = time.perf_counter() - started
-        record = report.flatten(result, peak * 1e12 if peak else None)
+        shape = (case.device, case.tokens, case.hidden, case.vocab, case.dtype)
+        record = report.flatten(result, rates.get(shape, peak))
+        if report.gemm_rate(record):
+            rates[shape] = report.gemm_rate(record)
+            record = report.flatten(result, rates[shape])
         writer.add(record)
         records.append(record)
+        written = time.perf_counter()
+        meta["cases_done"] = len(records)
+        (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _write_report(records, args.out, echo=False)
+        report_s = time.perf_counter() - written
         if bar is not None:
             bar.update()
         else:
@@ -227,6 +291,7 @@ def run(args) -> int:
     if bar is not None:
         bar.close()
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
+    meta["process_s"] = round(process_age_s(), 1)
     meta["load_average_after"] = load_average()
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     _write_report(records, args.out)
@@ -234,12 +299,14 @@ def run(args) -> int:
     return 0
 
 
-def _write_report(records: list[dict], out: Path) -> int:
+def _write_report(records: list[dict], out: Path, echo: bool = True) -> int:
     """results.md and bench.png from the records and out/meta.json; prints the table."""
     from . import plots, report
 
     meta = json.loads((out / "meta.json").read_text())
     wall = f"{meta['wall_s']} s" if "wall_s" in meta else "interrupted"
+    if "wall_s" not in meta and "cases_done" in meta:
+        wall = f"interrupted or running ({meta['cases_done']} cases done)"
     header = (
         f"{meta['command']} — {meta['date_utc']} — {meta['machine']} — {wall}, load average "
         f"{meta['load_average_before']} before, {meta.get('load_average_after', '?')} after"
@@ -247,5 +314,6 @@ def _write_report(records: list[dict], out: Path) -> int:
     table = report.markdown(records)
     (out / "results.md").write_text(f"{header}\n\n{table}")
     plots.plot(records, out, title=header)
-    print(table)
+    if echo:
+        print(table)
     return 0

@@ -12,7 +12,14 @@ Out-of-memory (an allocator error, or the child killed by SIGKILL), a timeout or
 a result row with that status, never an exception; a peer whose package is missing is an
 `unavailable` row. In a child process, `policy.max_mem_gib` caps the data segment (RLIMIT_DATA)
 above what the inputs use, which makes a real CPU out-of-memory at a chosen size.
-FGRPO_BENCH_FAKE="oom:IMPL" (or "kill:IMPL", "error:IMPL"; IMPL may be "*") fakes a failure.
+FGRPO_BENCH_FAKE="oom:IMPL" (or "kill:IMPL", "error:IMPL", "wrong:IMPL"; IMPL may be "*") fakes
+a failure ("wrong": the peer's output is scaled by 1.01 in the oracle check).
+
+Before a peer's case is timed, `oracle.check` compares its values and gradients with a float64
+computation on the case's first tokens; a peer that fails is a `wrong` row and is not timed. The
+`gemm` case is the matmul of the shape alone (cuBLAS on CUDA), the rate of every row's floor. A
+peer with a `fallback` (Liger's compiled loss) whose compile fails in dynamo or inductor is
+measured as its fallback, in a row named after it whose note gives the error.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import time
 
 import torch
 
+from . import oracle
 from .peers import PEERS
 from .presets import Case
 from .process_memory import PeakRSS, status_bytes
@@ -56,6 +64,8 @@ def _fake_failure(case: Case) -> None:
         raise torch.OutOfMemoryError(f"FGRPO_BENCH_FAKE: simulated out of memory in {case.impl}")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "wrong":
+        return
     raise RuntimeError(f"FGRPO_BENCH_FAKE: simulated error in {case.impl}")
 
 
@@ -92,6 +102,15 @@ class KernelJob:
         self.step = PEERS[case.impl].step(case.workload, case.device)
         self.w = Workload.make(case)
         self.pass_ = case.pass_
+        self.case = case
+
+    def check(self) -> tuple[bool, dict, str]:
+        """The oracle check of this peer on the case's first tokens (`oracle.check`)."""
+        step = self.step
+        if os.environ.get("FGRPO_BENCH_FAKE", "") in (f"wrong:{self.case.impl}", "wrong:*"):
+            step = lambda w: self.step(w) * 1.01  # noqa: E731 — a peer 1 % off
+        c = self.case
+        return oracle.check(step, self.w, c.workload, c.pass_, c.dtype)
 
     def run(self, small: bool = False) -> torch.Tensor:
         return run_step(self.step, self.w.prefix() if small else self.w, self.pass_)
@@ -100,11 +119,42 @@ class KernelJob:
         self.w.zero_grad()
 
 
+class GemmJob:
+    """The matmul of the shape, hidden [N, H] @ weight.T into a kept [N, V] buffer in the
+    input dtype (cuBLAS on CUDA): the rate of the FLOP floor. On CPU, `CPU_GEMM_ROWS` rows of
+    it, the time scaled to N (`scale`)."""
+
+    def __init__(self, case: Case):
+        dev, dtype = torch.device(case.device), getattr(torch, case.dtype)
+        rows = case.tokens if case.device == "cuda" else min(case.tokens, CPU_GEMM_ROWS)
+        gen = torch.Generator(device=dev).manual_seed(case.seed)
+        self.h = torch.randn(rows, case.hidden, generator=gen, device=dev).to(dtype)
+        self.w = (torch.randn(case.vocab, case.hidden, generator=gen, device=dev) * 0.05).to(dtype)
+        self.out = torch.empty(rows, case.vocab, device=dev, dtype=dtype)
+        self.scale = case.tokens / rows
+
+    def run(self, small: bool = False) -> float:
+        torch.mm(self.h, self.w.T, out=self.out)
+        return float("nan")
+
+    def reset(self) -> None:
+        pass
+
+
+CPU_GEMM_ROWS = 4096
+
+
 def _job(case: Case):
     if case.workload == "train-step":
         from .train_step import TrainStepJob
 
         return TrainStepJob(case)
+    if case.workload == "train-gpu":
+        from .train_gpu import TrainGpuJob
+
+        return TrainGpuJob(case)
+    if case.workload == "gemm":
+        return GemmJob(case)
     return KernelJob(case)
 
 
@@ -140,33 +190,74 @@ def _checksum(out) -> float:
 def row(case: Case, status: str, note: str = "", **values) -> dict:
     """A result row: the case, its status, and whatever was measured."""
     peer = PEERS.get(case.impl)
-    own = case.workload in ("train-step", "vocab-parallel")
+    own = case.workload in OWN_WORKLOADS
     backend = peer.backend(case.device) if peer and not own else ""
+    if case.workload == "gemm":
+        backend = "cuBLAS" if case.device == "cuda" else "torch.mm"
+    k = peer.floor_k(case.workload, case.pass_, case.device) if peer and not own else None
+    k = 2 if case.workload == "gemm" else k
     return {"case": dataclasses.asdict(case), "status": status, "note": note[:300],
-            "backend": backend, **values}  # fmt: skip
+            "backend": backend, "floor_k": k, **values}  # fmt: skip
+
+
+OWN_WORKLOADS = ("train-step", "train-gpu", "vocab-parallel", "gemm")
+
+
+def interpreting() -> bool:
+    """Triton kernels run on CPU tensors (TRITON_INTERPRET=1, as in the test suite)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _unavailable(case: Case) -> str | None:
-    if case.workload == "train-step":
+    if case.workload in ("train-step", "gemm"):
         return None
+    if case.workload == "train-gpu":
+        from .train_gpu import unavailable
+
+        return unavailable(case)
     if case.workload == "vocab-parallel":
         return None if case.device == "cpu" else "vocab-parallel runs on CPU ranks (gloo) only"
     peer = PEERS.get(case.impl)
     if peer is None:
         return f"no impl named {case.impl!r}"
-    if case.device not in peer.devices:
-        return f"{case.impl} runs on {'/'.join(peer.devices)} only"
+    if case.device not in peer.devices and not (peer.interpreted and interpreting()):
+        return f"{case.impl} runs on {'/'.join(peer.devices)} only (Triton kernels)"
     if not peer.runs(case.workload):
         return f"{case.impl} has no {case.workload} of its own"
     return None
 
 
+def is_compile_error(exc: BaseException) -> bool:
+    """An error raised by dynamo or inductor (or one they caused)."""
+    while exc is not None:
+        if any(c.__module__.startswith(("torch._dynamo", "torch._inductor"))
+               for c in type(exc).__mro__):  # fmt: skip
+            return True
+        exc = exc.__cause__
+    return False
+
+
 def measure_here(case: Case, cap_memory: bool = False) -> dict:
     """Measure `case` in this process; every failure becomes a row. `cap_memory` applies the
-    policy's memory cap (to a child process only: the limit stays for the process's life)."""
+    policy's memory cap (to a child process only: the limit stays for the process's life). A
+    peer with a fallback whose compile fails is measured as its fallback."""
+    result = _measure_here(case, cap_memory)
+    peer = PEERS.get(case.impl)
+    if peer and peer.fallback and result.get("compile_failed"):
+        error = result["note"]
+        result = _measure_here(dataclasses.replace(case, impl=peer.fallback), cap_memory)
+        result["note"] = f"{case.impl} failed to compile ({error})"[:300] + (
+            f"; {result['note']}" if result["note"] else ""
+        )
+    result.pop("compile_failed", None)
+    return result
+
+
+def _measure_here(case: Case, cap_memory: bool) -> dict:
     why = _unavailable(case)
     if why is not None:
-        return row(case, "unavailable", why)
+        skipped = why.startswith("skipped: ")
+        return row(case, "skipped" if skipped else "unavailable", why.removeprefix("skipped: "))
     policy = case.policy
     job = mem = None
     if case.workload == "vocab-parallel":  # its ranks measure themselves
@@ -185,6 +276,11 @@ def measure_here(case: Case, cap_memory: bool = False) -> dict:
             peer = PEERS.get(case.impl)
             note = peer.missing(e) if peer and peer.package else f"{type(e).__name__}: {e}"
             return row(case, "unavailable", note)
+        checked = None
+        if isinstance(job, KernelJob):
+            ok, errors, checked = job.check()
+            if not ok:
+                return row(case, "wrong", checked, check=checked, process_cpu_s=_cpu_seconds())
         cap = policy.max_mem_gib if cap_memory and case.device == "cpu" else None
         mem = (_CudaMemory if case.device == "cuda" else _CpuMemory)(cap)
         compiles = PEERS[case.impl].compiles if case.impl in PEERS else False
@@ -198,11 +294,17 @@ def measure_here(case: Case, cap_memory: bool = False) -> dict:
             if not warm:
                 times.append(t)
                 cpus.append(c)
+        scale = getattr(job, "scale", 1.0)
+        note = getattr(job, "note", "")
+        if scale != 1.0:
+            note = f"timed on {case.tokens / scale:.0f} rows, scaled to N"
         return row(
             case,
             "ok",
-            time_ms=1e3 * statistics.median(times),
-            cpu_time_ms=1e3 * statistics.median(cpus),
+            note,
+            time_ms=1e3 * statistics.median(times) * scale,
+            cpu_time_ms=1e3 * statistics.median(cpus) * scale,
+            check=checked,
             peak_mem_mib=mem.peak() / 2**20,
             repeats=len(times),
             compile_s=first if compiles else None,
@@ -213,7 +315,10 @@ def measure_here(case: Case, cap_memory: bool = False) -> dict:
         peak = None if mem is None else mem.peak() / 2**20
         status = "oom" if is_oom(e) else "error"
         note = f"{type(e).__name__}: {e}"
-        return row(case, status, note, peak_mem_mib=peak, process_cpu_s=_cpu_seconds())
+        out = row(case, status, note, peak_mem_mib=peak, process_cpu_s=_cpu_seconds())
+        if status == "error" and is_compile_error(e):
+            out["compile_failed"] = True
+        return out
     finally:
         del job
         gc.collect()

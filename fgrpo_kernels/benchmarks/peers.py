@@ -1,24 +1,32 @@
-"""The compared implementations ("peers"), each behind one adapter.
+"""The compared implementations ("peers"), each behind one adapter, run as their users run them.
 
 Every peer gives per-token log-probs (hidden [B, T, H], weight [V, H], ids [B, T]) → fp32
-[B, T], so that its `logprobs` rows measure the same work as ours (tests/test_bench_peers.py
-checks each against a float64 oracle). A peer that ships its own GRPO loss also runs the
-`grpo` workload through it; the eager and compiled references and ours also run `fgrpo`.
+[B, T], so that its `logprobs` rows measure the same work as ours; a peer that ships its own
+GRPO loss also runs the `grpo` workload through it. `oracle.py` checks every peer's values and
+gradients against a float64 computation before it is timed (a `wrong` row if it fails);
+`fgrpo_kernels.reference` is that oracle's loss and is never a timed peer.
 
-- `eager`: `fgrpo_kernels.reference` (materialises the fp32 [N, V] logits on purpose);
-- `compile`: `torch.compile(dynamic=True)` of the same functions (inductor);
-- `liger`: Liger-Kernel's chunked selective log-prob (the one under its GRPO loss) and
-  `LigerFusedLinearGRPOLoss`; `liger_triton` is its Triton `triton_grpo_loss` on materialised
-  logits (CUDA only);
+- `eager`: what a TRL user runs: `h @ W.T` in the input dtype (bf16 logits for bf16 inputs),
+  TRL's `selective_log_softmax`, then the loss in plain PyTorch;
+- `compile`: `torch.compile(dynamic=True)` of that pipeline (inductor);
+- `liger_flce`: Liger's Triton `LigerFusedLinearCrossEntropyFunction`, log-probs = −loss per
+  token (`reduction="none"`; Liger then recomputes the chunked logits in its backward to fold in
+  the per-token gradient) — CUDA (or the Triton interpreter);
+- `liger`: `LigerFusedLinearGRPOLoss(compiled=True)`, Liger's default; when dynamo fails on it
+  the row becomes `liger (eager)` (compiled=False) and its note names the error;
+  `liger_triton`: its Triton `triton_grpo_loss` on materialised logits (CUDA only);
 - `cce`: Cut Cross-Entropy, log-probs = −`linear_cross_entropy(reduction="none")`: its
   `torch_compile` implementation on CPU, its Triton kernels (default gradient filtering) on CUDA;
 - `trl`: TRL's `trl.kernels.ChunkedLogProbFunction` with the vocabulary chunk its GRPOTrainer
   uses (Triton on CUDA, PyTorch tiles elsewhere);
-- `verl`: verl's torch fused path `FusedLinearForPPO` (512-token chunks; it also computes the
-  entropy, which verl always does);
-- `ours`: `fused_linear_logprobs`, `FusedLinearGRPOLoss`, `FusedLinearFGRPOLoss`.
+- `verl`: verl's torch fused path `FusedLinearForPPO` (512-token chunks, with the entropy);
+  `verl_triton`: verl's Triton `linear_cross_entropy` (log-probs and entropy), CUDA only;
+- `ours` (the defaults: the GRPO loss in a single pass where it fits) and `ours_two_pass`
+  (single pass off: log-probs, then the loss, then the backward).
 
-A peer whose package is missing is an `unavailable` row naming the package, never a crash.
+`Peer.floor_k` is the k of the FLOP floor k·N·H·V (report.py): 6 where the gradient is taken in
+the forward or the logits are kept for the backward, 8 where the backward recomputes them.
+A peer whose package is missing is an `unavailable` row naming its install line, never a crash.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from .workload import EPS, FGRPO_BETA, GRPO_BETA, Workload
 LogProbs = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Step = Callable[[Workload], torch.Tensor]
 Build = Callable[[str], Step]
+VERL_INSTALL = "pip install verl==0.9.1 in its own environment (README, Benchmarks)"
 
 
 def _flat(fn: Callable) -> LogProbs:
@@ -45,14 +54,31 @@ def _flat(fn: Callable) -> LogProbs:
     return lambda h, w, y: fn(h.flatten(0, 1), w, y.flatten()).view(y.shape)
 
 
+def eager_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The TRL user's pipeline: logits `hidden @ weight.T` in the input dtype, then TRL's
+    `selective_log_softmax` (fp32 out; the cast is exact)."""
+    from trl.trainer.utils import selective_log_softmax
+
+    return selective_log_softmax(hidden @ weight.T, ids).float()
+
+
 def _eager_grpo(w: Workload) -> torch.Tensor:
-    logps = reference.logprobs(w.hidden, w.weight, w.ids)
+    logps = eager_logprobs(w.hidden, w.weight, w.ids)
     return reference.grpo_loss(logps, None, w.ref_logps, w.advantages, w.mask, "dapo", GRPO_BETA)
 
 
 def _eager_fgrpo(w: Workload) -> torch.Tensor:
-    logps = reference.logprobs(w.hidden, w.weight, w.ids)
+    logps = eager_logprobs(w.hidden, w.weight, w.ids)
     return reference.fgrpo_loss(logps, w.ref_logps, w.advantages, w.mask, "pearson", FGRPO_BETA)
+
+
+def _needs_trl(fn: Callable) -> Callable[[str], Callable]:
+    def build(device: str) -> Callable:
+        import trl.trainer.utils  # noqa: F401 — ImportError here: an `unavailable` row
+
+        return fn
+
+    return build
 
 
 def _inductor_settings(device: str) -> None:
@@ -65,33 +91,39 @@ def _inductor_settings(device: str) -> None:
 
 def _compiled(fn: Callable) -> Callable[[str], Callable]:
     def build(device: str) -> Callable:
+        import trl.trainer.utils  # noqa: F401
+
         _inductor_settings(device)
         return torch.compile(fn, dynamic=True)
 
     return build
 
 
-def _liger_logprobs(device: str) -> LogProbs:
-    from liger_kernel.chunked_loss.fused_linear_ppo import (
-        _SELECTIVE_LOGPROB_VOCAB_CHUNK_SIZE as CHUNK,
-    )
-    from liger_kernel.chunked_loss.fused_linear_ppo import (
-        _ChunkedSelectiveLogProbFunction as Fn,
+def _liger_flce_logprobs(device: str) -> LogProbs:
+    from liger_kernel.ops.fused_linear_cross_entropy import (
+        LigerFusedLinearCrossEntropyFunction as Fn,
     )
 
-    return _flat(lambda h, w, y: Fn.apply(h, w, y, None, 1.0, CHUNK))
+    # (input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
+    #  reduction): loss per token = −log p(target)
+    return _flat(lambda h, w, y: -Fn.apply(h, w, y, None, None, -100, 0.0, 0.0, "none")[0].float())
 
 
-def _liger_grpo(device: str) -> Step:
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+def _liger_grpo(compiled: bool) -> Build:
+    def build(device: str) -> Step:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
-    loss = LigerFusedLinearGRPOLoss(
-        beta=GRPO_BETA, compiled=device == "cuda", epsilon_low=EPS, epsilon_high=EPS,
-        loss_type="dapo",
-    )  # fmt: skip
-    return lambda w: loss(
-        w.hidden, w.weight, w.ids, w.mask, w.advantages, ref_per_token_logps=w.ref_logps
-    )[0]
+        if compiled:
+            _inductor_settings(device)
+        loss = LigerFusedLinearGRPOLoss(
+            beta=GRPO_BETA, compiled=compiled, epsilon_low=EPS, epsilon_high=EPS,
+            loss_type="dapo",
+        )  # fmt: skip
+        return lambda w: loss(
+            w.hidden, w.weight, w.ids, w.mask, w.advantages, ref_per_token_logps=w.ref_logps
+        )[0]
+
+    return build
 
 
 def _liger_triton_grpo(device: str) -> Step:
@@ -135,18 +167,52 @@ def _verl_logprobs(device: str) -> LogProbs:
     return lambda h, w, y: fused(h, w, y)[0]
 
 
-def _ours_grpo(device: str) -> Step:
-    loss = fgrpo_kernels.FusedLinearGRPOLoss("dapo", GRPO_BETA, EPS, EPS)
-    return lambda w: loss(
-        w.hidden, w.weight, w.ids, w.mask, w.advantages, ref_per_token_logps=w.ref_logps
-    )[0]
+def _verl_triton_logprobs(device: str) -> LogProbs:
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+    # (hidden, weight, labels, temperature, reduction) → (log-probs, entropy), as verl's actor
+    return _flat(lambda h, w, y: linear_cross_entropy(h, w, y, 1.0, "none")[0].float())
 
 
-def _ours_fgrpo(device: str) -> Step:
-    loss = fgrpo_kernels.FusedLinearFGRPOLoss("pearson", FGRPO_BETA)
-    return lambda w: loss(
-        w.hidden, w.weight, w.ids, w.mask, advantages=w.advantages, ref_per_token_logps=w.ref_logps
-    )[0]
+def _ours_grpo(max_chunk_bytes: int | None) -> Build:
+    def build(device: str) -> Step:
+        loss = fgrpo_kernels.FusedLinearGRPOLoss(
+            "dapo", GRPO_BETA, EPS, EPS, max_chunk_bytes=max_chunk_bytes
+        )
+        return lambda w: loss(
+            w.hidden, w.weight, w.ids, w.mask, w.advantages, ref_per_token_logps=w.ref_logps
+        )[0]
+
+    return build
+
+
+def _ours_fgrpo(max_chunk_bytes: int | None) -> Build:
+    def build(device: str) -> Step:
+        loss = fgrpo_kernels.FusedLinearFGRPOLoss(
+            "pearson", FGRPO_BETA, max_chunk_bytes=max_chunk_bytes
+        )
+        return lambda w: loss(
+            w.hidden, w.weight, w.ids, w.mask, advantages=w.advantages,
+            ref_per_token_logps=w.ref_logps,
+        )[0]  # fmt: skip
+
+    return build
+
+
+def _no_recompute(*workloads: str) -> Callable[[str, str], bool]:
+    return lambda workload, device: workload in workloads
+
+
+def _recomputes(workload: str, device: str) -> bool:
+    return False
+
+
+def _ours_saves(workload: str, device: str) -> bool:
+    """Ours takes the loss's gradient in the forward (single pass) where the default buffer
+    budget of the device is above 0; its log-prob primitive recomputes the logits."""
+    from fgrpo_kernels.losses import single_pass
+
+    return workload != "logprobs" and single_pass.DEFAULT_BYTES[device] > 0
 
 
 @dataclass(frozen=True)
@@ -157,9 +223,13 @@ class Peer:
     backend: Callable[[str], str]
     losses: dict[str, Build] = field(default_factory=dict)
     package: str | None = None  # the distribution that provides it (None: torch or this package)
-    extra: str | None = "bench"  # the fgrpo-kernels extra that installs it
+    install: str | None = "pip install 'fgrpo-kernels[bench]'"  # the line that installs it
     devices: tuple[str, ...] = ("cpu", "cuda")
     compiles: bool = False  # pays a compile on its first call
+    # (workload, device) → True when the backward needs no second logits GEMM (k = 6, not 8)
+    keeps_grad: Callable[[str, str], bool] = _recomputes
+    fallback: str | None = None  # the peer whose row replaces this one when dynamo fails
+    interpreted: bool = False  # Triton only: runs on CPU tensors under TRITON_INTERPRET=1
 
     def runs(self, workload: str) -> bool:
         return workload in self.losses or (workload == "logprobs" and self.logprobs is not None)
@@ -173,9 +243,17 @@ class Peer:
         logprobs = self.logprobs(device)
         return lambda w: logprobs(w.hidden, w.weight, w.ids)
 
+    def floor_k(self, workload: str, pass_: str, device: str) -> int:
+        """k of the FLOP floor k·N·H·V: 2 per logits GEMM (forward, recompute, dhidden,
+        dweight) this peer must run."""
+        if pass_ == "fwd":
+            return 2
+        grads = 2 if pass_ == "fwd+bwd-frozen" else 4
+        return 2 + grads + (0 if self.keeps_grad(workload, device) else 2)
+
     def missing(self, error: ImportError) -> str:
-        """The note of an `unavailable` row."""
-        how = f"pip install 'fgrpo-kernels[{self.extra}]'" if self.extra else "see the README"
+        """The note of an `unavailable` row: what is missing and the line that installs it."""
+        how = self.install or "see the README"
         return f"{self.package} is not installed ({how}): {type(error).__name__}: {error}"
 
     def version(self) -> str:
@@ -198,21 +276,34 @@ def _ours_backend(device: str) -> str:
     return fgrpo_kernels.cpu_backend() if device == "cpu" else "triton"
 
 
+_EAGER = _no_recompute("logprobs", "grpo", "fgrpo")  # the [N, V] logits are kept for backward
 PEERS: dict[str, Peer] = {
     "eager": Peer(
-        lambda d: reference.logprobs, _fixed("torch"),
-        {"grpo": lambda d: _eager_grpo, "fgrpo": lambda d: _eager_fgrpo},
+        _needs_trl(eager_logprobs), _fixed("torch"),
+        {"grpo": _needs_trl(_eager_grpo), "fgrpo": _needs_trl(_eager_fgrpo)}, package="trl",
+        keeps_grad=_EAGER,
     ),
     "compile": Peer(
-        _compiled(reference.logprobs), _fixed("inductor"),
-        {"grpo": _compiled(_eager_grpo), "fgrpo": _compiled(_eager_fgrpo)}, compiles=True,
+        _compiled(eager_logprobs), _fixed("inductor"),
+        {"grpo": _compiled(_eager_grpo), "fgrpo": _compiled(_eager_fgrpo)}, package="trl",
+        compiles=True, keeps_grad=_EAGER,
+    ),
+    "liger_flce": Peer(
+        _liger_flce_logprobs, _fixed("triton"), package="liger-kernel", devices=("cuda",),
+        interpreted=True,
     ),
     "liger": Peer(
-        _liger_logprobs, _fixed("chunked torch"), {"grpo": _liger_grpo}, package="liger-kernel"
+        None, _fixed("chunked torch, compiled"), {"grpo": _liger_grpo(True)},
+        package="liger-kernel", compiles=True, keeps_grad=_no_recompute("grpo"),
+        fallback="liger (eager)",
+    ),
+    "liger (eager)": Peer(
+        None, _fixed("chunked torch"), {"grpo": _liger_grpo(False)}, package="liger-kernel",
+        keeps_grad=_no_recompute("grpo"),
     ),
     "liger_triton": Peer(
         None, _fixed("triton on logits"), {"grpo": _liger_triton_grpo}, package="liger-kernel",
-        devices=("cuda",),
+        devices=("cuda",), keeps_grad=_no_recompute("grpo"), interpreted=True,
     ),
     "cce": Peer(
         _cce_logprobs, _by_device("torch_compile", "triton"), package="cut-cross-entropy",
@@ -221,10 +312,17 @@ PEERS: dict[str, Peer] = {
     "trl": Peer(_trl_logprobs, _by_device("chunked torch", "chunked triton"), package="trl"),
     # NB: no extra: verl 0.9.1 pins transformers < 5.11, and pip's downgrade next to TRL 1.16
     # leaves a `kernels` package that breaks `import transformers` (README, Benchmarks).
-    "verl": Peer(_verl_logprobs, _fixed("chunked torch"), package="verl", extra=None),
+    "verl": Peer(_verl_logprobs, _fixed("chunked torch"), package="verl", install=VERL_INSTALL),
+    "verl_triton": Peer(
+        _verl_triton_logprobs, _fixed("triton"), package="verl", install=VERL_INSTALL,
+        devices=("cuda",),
+    ),
     "ours": Peer(
         lambda d: fgrpo_kernels.fused_linear_logprobs, _ours_backend,
-        {"grpo": _ours_grpo, "fgrpo": _ours_fgrpo},
+        {"grpo": _ours_grpo(None), "fgrpo": _ours_fgrpo(None)}, keeps_grad=_ours_saves,
+    ),
+    "ours_two_pass": Peer(
+        None, _ours_backend, {"grpo": _ours_grpo(0), "fgrpo": _ours_fgrpo(0)},
     ),
 }  # fmt: skip
 

@@ -21,12 +21,18 @@ from .workload import WORKLOADS, memory_floor
 STYLE = {
     "eager": ("#7f7f7f", "o", "eager PyTorch"),
     "compile": ("#8c564b", "s", "torch.compile"),
-    "liger": ("#1f77b4", "^", "Liger-Kernel"),
+    "gemm": ("#525252", "_", "GEMM of the shape (floor)"),
+    "liger_flce": ("#08519c", ">", "Liger FLCE (Triton)"),
+    "liger": ("#1f77b4", "^", "Liger chunked GRPO, compiled"),
+    "liger (eager)": ("#9ecae1", "1", "Liger chunked GRPO, eager"),
     "liger_triton": ("#6baed6", "v", "Liger Triton (logits)"),
     "cce": ("#2ca02c", "D", "Cut Cross-Entropy"),
     "trl": ("#9467bd", "P", "TRL"),
     "verl": ("#ff7f0e", "X", "verl"),
+    "verl_triton": ("#fdae6b", "2", "verl Triton"),
+    "ours_two_pass": ("#f4a582", "*", "ours, two pass"),
     "ours": ("#d62728", "*", "fgrpo_kernels (ours)"),
+    "trl_liger_kernel": ("#c5b0d5", "3", "TRL use_liger_kernel"),
     "backbone": ("#000000", "h", "backbone alone"),
     "trl_liger": ("#17becf", "<", "TRL + Liger GRPO loss"),
     "ours_1rank": ("#e377c2", "p", "ours, whole vocabulary on 1 rank"),
@@ -37,7 +43,7 @@ METRICS = (
     ("peak_mem_mib", "peak memory beyond the inputs, MiB\n(lower is better)", 1.0),
     ("time_ms", "time per step, s (median)\n(lower is better)", 1e-3),
 )
-FAILED = ("oom", "timeout", "error", "skipped")
+FAILED = ("oom", "timeout", "error", "skipped", "wrong")
 
 
 def style(impl: str) -> tuple[str, str, str]:

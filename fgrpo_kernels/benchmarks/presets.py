@@ -109,17 +109,22 @@ def matrix(
     return tuple((workload, pass_, impl, caps.get(impl), generations) for impl in impls)
 
 
-LOGPROB_PEERS = ("eager", "compile", "liger", "cce", "trl", "verl", "ours")
-GRPO_PEERS = ("eager", "compile", "liger", "ours")  # the peers with a GRPO loss of their own
+GEMM = (("gemm", "fwd", "gemm", None, None),)  # first at every size: the floor's rate
+LOGPROB_PEERS = ("eager", "compile", "liger_flce", "cce", "trl", "verl", "verl_triton", "ours")
+GRPO_PEERS = ("eager", "compile", "liger", "ours_two_pass", "ours")  # with a GRPO loss of their own
 FORWARD_PEERS = ("eager", "compile", "cce", "trl", "ours")
 CHUNKED_TORCH = ("liger", "trl", "verl")  # flat memory, but slow on a CPU
+CPU_LOGPROB_PEERS = tuple(p for p in LOGPROB_PEERS if p not in ("liger_flce", "verl_triton"))
 
 
 # 2-core CPU, fp32, V 32,768 (V 151,936 costs 4.6× the time per case), H 128: on a CPU the
 # N·V elementwise work dominates and the memory story does not depend on H. Every peer is listed
 # at N 4,096 and 16,384; ours goes on to 65,536. The 5 GiB cap makes the [N, V]-materialising
 # peers (eager, compile, cce's torch_compile) out-of-memory at 16,384 (a 2 GiB fp32 logits
-# tensor and its gradient) instead of running for minutes; the chunked peers fit.
+# tensor and its gradient) instead of running for minutes; the chunked peers fit. Liger's
+# compiled GRPO loss pays an inductor compile per case (each case is a fresh process), so it
+# runs at 4,096 only. The CUDA-only peers are not listed (`--impls` can name them: a row that
+# says why).
 CPU_QUICK = Preset(
     name="cpu-quick",
     device="cpu",
@@ -128,9 +133,22 @@ CPU_QUICK = Preset(
     hidden=(128,),
     dtype=("float32",),
     matrix=(
-        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS, **dict.fromkeys(LOGPROB_PEERS[:-1], 16384)),
-        *matrix("grpo", "fwd+bwd", ("eager", "liger", "ours"), eager=16384, liger=16384),
-    ),
+        *GEMM,
+        *matrix(
+            "logprobs",
+            "fwd+bwd",
+            CPU_LOGPROB_PEERS,
+            **dict.fromkeys(CPU_LOGPROB_PEERS[:-1], 16384),
+        ),
+        *matrix(
+            "grpo",
+            "fwd+bwd",
+            ("eager", "liger", "ours_two_pass", "ours"),
+            eager=16384,
+            liger=4096,
+            ours_two_pass=16384,
+        ),
+    ),  # fmt: skip
     policy=Policy(warmup_small=True, repeats=3, min_time_s=2.0, timeout_s=240.0, max_mem_gib=5.0),
     note="V 32,768 (V 151,936 would cost 4.6x the time per case on 2 cores)",
 )
@@ -148,7 +166,8 @@ CPU_LONG = Preset(
     dtype=("float32",),
     generations=(1,),
     matrix=(
-        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS, **dict.fromkeys(CHUNKED_TORCH, 32768)),
+        *GEMM,
+        *matrix("logprobs", "fwd+bwd", CPU_LOGPROB_PEERS, **dict.fromkeys(CHUNKED_TORCH, 32768)),
         *matrix("grpo", "fwd+bwd", ("eager", "liger", "ours"), (1, 8), liger=32768),
     ),
     policy=Policy(warmup_small=True, repeats=1, min_time_s=0.0, timeout_s=900.0, max_mem_gib=6.0),
@@ -163,10 +182,11 @@ CPU_FULL = Preset(
     hidden=(256,),
     dtype=("float32",),
     matrix=(
+        *GEMM,
         *matrix("logprobs", "fwd", FORWARD_PEERS),
-        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS),
+        *matrix("logprobs", "fwd+bwd", CPU_LOGPROB_PEERS),
         *matrix("grpo", "fwd+bwd", GRPO_PEERS),
-        *matrix("fgrpo", "fwd+bwd", ("eager", "compile", "ours")),
+        *matrix("fgrpo", "fwd+bwd", ("eager", "compile", "ours_two_pass", "ours")),
         *matrix("grpo", "fwd+bwd-frozen", ("eager", "liger", "ours")),
     ),
     policy=Policy(max_mem_gib=8.0),
@@ -182,17 +202,32 @@ GPU = dataclasses.replace(
     hidden=(4096,),
     dtype=("bfloat16",),
     matrix=(
+        *GEMM,
         *matrix("logprobs", "fwd", FORWARD_PEERS),
         *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS),
         *matrix("grpo", "fwd+bwd", (*GRPO_PEERS, "liger_triton")),
         *matrix("grpo", "fwd+bwd-frozen", ("eager", "liger", "ours")),
     ),
     policy=Policy(repeats=5, min_time_s=0.5, timeout_s=120.0),
-    budget_s=420.0,  # compile and autotune are the unknowns: stay under 8 minutes whatever
+    budget_s=480.0,  # from process start; compile and autotune are the unknowns
 )
 
+# The quick GPU run: log-probs and GRPO, fwd+bwd, N 8k / 32k / 64k, bf16, H 4096, V 151,936,
+# every peer, in 240 s on an H200 from process start (`fgrpo bench --device cuda --quick
+# --dry-run` prints the plan; estimate.py). Liger's chunked GRPO loss (~14× the floor) and CCE
+# (~3.3×, linear in N) stop at 32k; the materialising peers run to 64k (111 GiB of bf16 logits
+# and gradient for eager: an H200 fits it, an H100 gives an oom row).
 GPU_QUICK = dataclasses.replace(
-    GPU, name="gpu-quick", tokens=(8192, 32768), policy=Policy(repeats=3, min_time_s=0.5)
+    GPU,
+    name="gpu-quick",
+    tokens=(8192, 32768, 65536),
+    matrix=(
+        *GEMM,
+        *matrix("logprobs", "fwd+bwd", LOGPROB_PEERS, cce=32768),
+        *matrix("grpo", "fwd+bwd", (*GRPO_PEERS, "liger_triton"), liger=32768),
+    ),
+    policy=Policy(repeats=3, min_time_s=0.3, timeout_s=120.0),
+    budget_s=240.0,
 )
 
 # One GRPO training step (loss + backward) of a Qwen2-shaped model (`train_step.py`): stock TRL,
@@ -209,6 +244,34 @@ TRAIN_MEMORY = Preset(
     matrix=matrix("train-step", "fwd+bwd", ("backbone", "trl", "trl_liger", "ours")),
     policy=Policy(warmup_small=True, repeats=1, min_time_s=0.0, timeout_s=1800.0, max_mem_gib=12.0),
 )
+
+# One GRPO optimizer step (forward, loss, backward, AdamW) of a Qwen2.5-1.5B-shaped model
+# (random init, bf16, gradient checkpointing; `train_gpu.py`) at 2 × 8k and 2 × 32k tokens:
+# stock TRL 1.16, TRL with `use_liger_kernel`, TRL with our drop-in. 120 s from process start;
+# a row that would not fit the GPU's free memory is skipped with the estimate in its note.
+TRAIN_GPU = Preset(
+    name="train-gpu",
+    device="cuda",
+    tokens=(16384, 65536),
+    vocab=(151936,),
+    hidden=(1536,),
+    dtype=("bfloat16",),
+    generations=(2,),
+    matrix=matrix("train-gpu", "fwd+bwd", ("trl", "trl_liger_kernel", "ours")),
+    policy=Policy(warmup=1, repeats=2, min_time_s=0.0, timeout_s=120.0),
+    budget_s=120.0,
+)
+
+
+def tiny_train_gpu() -> Preset:
+    """`--preset train-gpu --tiny`: the same step of a 2-layer toy of the model on the CPU,
+    fp32, 2 × 32 tokens, V 512 (seconds; the test suite runs it)."""
+    return dataclasses.replace(
+        TRAIN_GPU, name="train-gpu-tiny", device="cpu", tokens=(64,), vocab=(512,),
+        hidden=(64,), dtype=("float32",), policy=Policy(warmup=1, repeats=1, min_time_s=0.0,
+        timeout_s=300.0), budget_s=None,
+    )  # fmt: skip
+
 
 # The fused GRPO loss with the vocabulary over 2 CPU ranks (gloo) against 1 rank: per-rank peak
 # memory and time, one thread per rank (`vocab_parallel.py`).
@@ -232,8 +295,9 @@ TINY = Preset(
     hidden=(32,),
     dtype=("float32",),
     matrix=(
+        *GEMM,
         *matrix("logprobs", "fwd", ("ours",)),
-        *matrix("grpo", "fwd+bwd", ("eager", "liger", "ours")),
+        *matrix("grpo", "fwd+bwd", ("eager", "liger (eager)", "ours_two_pass", "ours")),
         *matrix("fgrpo", "fwd+bwd", ("ours",), ours=64),
     ),
     policy=Policy(repeats=2, min_time_s=0.0, timeout_s=120.0),
@@ -241,8 +305,11 @@ TINY = Preset(
 
 PRESETS = {
     p.name: p
-    for p in (CPU_QUICK, CPU_LONG, CPU_FULL, GPU, GPU_QUICK, TRAIN_MEMORY, CPU_DISTRIBUTED, TINY)
-}
+    for p in (
+        CPU_QUICK, CPU_LONG, CPU_FULL, GPU, GPU_QUICK, TRAIN_MEMORY, TRAIN_GPU, CPU_DISTRIBUTED,
+        TINY,
+    )
+}  # fmt: skip
 
 
 def default_preset(device: str, quick: bool) -> Preset:

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from .peers import ORDER
+from .train_gpu import IMPLS as TRAIN_GPU_IMPLS
 from .train_step import IMPLS as TRAIN_IMPLS
 from .vocab_parallel import IMPLS as RANK_IMPLS
 from .workload import PASSES, WORKLOADS, flops
@@ -14,19 +15,42 @@ from .workload import PASSES, WORKLOADS, flops
 COLUMNS = (
     "impl", "workload", "tokens", "vocab", "hidden", "dtype", "pass", "time_ms", "peak_mem_mib",
     "status", "backend", "device", "flop_floor_ratio", "batch", "seq_len", "repeats",
-    "cpu_time_ms", "compile_s", "case_s", "process_cpu_s", "checksum", "note",
+    "cpu_time_ms", "compile_s", "case_s", "process_cpu_s", "checksum", "note", "floor_k",
+    "gemm_tflops", "check", "tokens_per_s",
 )  # fmt: skip
-INTS = ("tokens", "vocab", "hidden", "batch", "seq_len", "repeats")
+INTS = ("tokens", "vocab", "hidden", "batch", "seq_len", "repeats", "floor_k")
 FLOATS = ("time_ms", "peak_mem_mib", "flop_floor_ratio", "cpu_time_ms", "compile_s", "case_s",
-          "process_cpu_s", "checksum")  # fmt: skip
+          "process_cpu_s", "checksum", "gemm_tflops", "tokens_per_s")  # fmt: skip
 # the floor first, ours last, the peers in between
-_MIDDLE = [i for i in dict.fromkeys(ORDER + TRAIN_IMPLS) if i not in ("backbone", "ours")]
-IMPL_ORDER = ("backbone", *_MIDDLE, "ours", *RANK_IMPLS)
-WORKLOAD_ORDER = (*WORKLOADS, "train-step", "vocab-parallel")
+_MIDDLE = [i for i in dict.fromkeys(ORDER + TRAIN_IMPLS + TRAIN_GPU_IMPLS)
+           if i not in ("backbone", "ours")]  # fmt: skip
+_MIDDLE = [i for i in _MIDDLE if i != "ours_two_pass"]
+IMPL_ORDER = ("gemm", "backbone", *_MIDDLE, "ours_two_pass", "ours", *RANK_IMPLS)
+WORKLOAD_ORDER = ("gemm", *WORKLOADS, "train-step", "train-gpu", "vocab-parallel")
 
 
-def flatten(result: dict, peak_flops: float | None) -> dict:
-    """A measured row (see `measure.row`) as a CSV record with COLUMNS."""
+def shape_key(r: dict) -> tuple:
+    """Rows of one matmul shape (the `gemm` row of the shape gives their floor's rate)."""
+    return (r["device"], r["tokens"], r["hidden"], r["vocab"], r["dtype"])
+
+
+def gemm_rate(r: dict) -> float | None:
+    """FLOP/s of an ok `gemm` row (2·N·H·V per call), else None."""
+    if r["workload"] != "gemm" or r["status"] != "ok" or not r["time_ms"]:
+        return None
+    return 2 * r["tokens"] * r["hidden"] * r["vocab"] / (r["time_ms"] / 1e3)
+
+
+FLOOR_NOTE = (
+    "× floor (k): time / (k·N·H·V at the GEMM rate of the shape measured in this run); k = 6 "
+    "where the gradient is taken in the forward or the logits are kept, 8 where the backward "
+    "recomputes them (frozen head: 4 / 6; forward only: 2)."
+)
+
+
+def flatten(result: dict, rate: float | None) -> dict:
+    """A measured row (see `measure.row`) as a CSV record with COLUMNS; `rate` (FLOP/s, the
+    shape's GEMM measured in the run, or a given peak) sets its floor k·N·H·V / rate."""
     case = result["case"]
     out = {k: case[k] for k in ("impl", "workload", "tokens", "vocab", "hidden", "dtype", "device")}
     out.update(
@@ -34,19 +58,24 @@ def flatten(result: dict, peak_flops: float | None) -> dict:
          "seq_len": case["tokens"] // case["generations"]}
     )  # fmt: skip
     for key in ("status", "backend", "note", "time_ms", "peak_mem_mib", "repeats", "cpu_time_ms",
-                "compile_s", "case_s", "process_cpu_s", "checksum"):  # fmt: skip
+                "compile_s", "case_s", "process_cpu_s", "checksum", "floor_k",
+                "check"):  # fmt: skip
         out[key] = result.get(key)
     ratio = None
-    if peak_flops and out["time_ms"] is not None and out["workload"] in WORKLOADS:
-        floor_s = flops(out["pass"], out["tokens"], out["hidden"], out["vocab"]) / peak_flops
+    if rate and out["time_ms"] is not None and out["workload"] in (*WORKLOADS, "gemm"):
+        k = out["floor_k"]
+        floor_s = flops(out["pass"], out["tokens"], out["hidden"], out["vocab"], k) / rate
         ratio = out["time_ms"] / 1e3 / floor_s
     out["flop_floor_ratio"] = ratio
+    out["gemm_tflops"] = rate / 1e12 if rate and ratio is not None else None
+    if out["time_ms"] and out["status"] == "ok":
+        out["tokens_per_s"] = out["tokens"] / (out["time_ms"] / 1e3)
     return {k: _clean(out.get(k)) for k in COLUMNS}
 
 
 def _clean(v):
     if isinstance(v, float):
-        return None if math.isnan(v) else round(v, 4) if abs(v) < 1e6 else round(v, 1)
+        return None if math.isnan(v) else float(f"{v:.6g}") if abs(v) < 1e6 else round(v, 1)
     return v
 
 
@@ -101,18 +130,36 @@ def markdown(rows: list[dict]) -> str:
     """The table (one line per case) followed by the ratios at the largest N both ran."""
     floor = any(r["flop_floor_ratio"] is not None for r in rows)
     cpu = any(r["cpu_time_ms"] is not None for r in rows)
+    train = any(r["workload"] == "train-gpu" for r in rows)
     head = ["workload", "pass", "N", "B", "V", "H", "dtype", "impl", "status", "time ms"]
-    head += ["CPU time ms"] * cpu + ["peak MiB"] + ["× FLOP floor"] * floor + ["backend", "note"]
+    head += ["CPU time ms"] * cpu + ["peak MiB"] + ["tokens/s"] * train
+    head += ["× floor (k)"] * floor + ["backend", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=_sort_key):
         cells = [r["workload"], r["pass"], str(r["tokens"]), str(r["batch"]), str(r["vocab"])]
         cells += [str(r["hidden"]), r["dtype"], f"`{r['impl']}`", r["status"]]
         cells += [_num(r["time_ms"], ".1f")] + [_num(r["cpu_time_ms"], ".1f")] * cpu
-        cells += [_num(r["peak_mem_mib"], ".1f")] + [_num(r["flop_floor_ratio"], ".2f")] * floor
-        note = "" if r["status"] == "ok" else (r["note"] or "")[:90].replace("|", "/")
+        cells += [_num(r["peak_mem_mib"], ".1f")] + [_num(r["tokens_per_s"], ".0f")] * train
+        ratio = _num(r["flop_floor_ratio"], ".2f")
+        cells += [f"{ratio} (k {r['floor_k']})" if ratio else ""] * floor
+        note = (r["note"] or "")[:120] if r["status"] != "ok" else (r["note"] or "")[:60]
+        note = note.replace("|", "/")
         cells += [r["backend"] or "", note]
         lines.append("| " + " | ".join(cells) + " |")
-    summary = ratios(rows)
+    rates = [
+        f"{r['tokens']}×{r['hidden']}×{r['vocab']} {r['dtype']}: {r['gemm_tflops']:.4g} TFLOP/s"
+        for r in sorted(rows, key=_sort_key)
+        if r["workload"] == "gemm" and r["gemm_tflops"]
+    ]
+    if floor:
+        lines += ["", FLOOR_NOTE]
+        if rates:
+            lines += ["GEMM rates: " + "; ".join(rates) + "."]
+    wrong = [r for r in rows if r["status"] == "wrong"]
+    if wrong:
+        lines += ["", f"{len(wrong)} row(s) `wrong`: they failed the float64 oracle check and "
+                  "were not timed."]  # fmt: skip
+    summary = ratios([r for r in rows if r["workload"] != "gemm"])
     if summary:
         lines += ["", "Ratios ours / peer at the largest N where both ran (< 1: ours is less):", ""]
         lines += [f"- {s}" for s in summary]

@@ -65,7 +65,15 @@ class Workload:
     def prefix(self, fraction: int = 8) -> Workload:
         """The first T / `fraction` tokens of every completion, sharing the lm_head: the same
         code path and batch size at a fraction of the cost (for warm-ups)."""
-        t = max(self.ids.shape[1] // fraction, 1)
+        return self._first(max(self.ids.shape[1] // fraction, 1))
+
+    def head(self, max_tokens: int) -> Workload:
+        """The first tokens of every completion, at most `max_tokens` in all (at least one per
+        completion), sharing the lm_head: what the oracle check runs (`oracle.py`)."""
+        B, T = self.ids.shape
+        return self._first(max(1, min(T, max_tokens // B)))
+
+    def _first(self, t: int) -> Workload:
         # NB: contiguous copies, not views: a compiled graph guards on the inputs' layout
         cut = {
             k: getattr(self, k)[:, :t].clone() for k in ("ids", "mask", "ref_logps", "grad_logp")
@@ -88,9 +96,11 @@ def run_step(step, w: Workload, pass_: str) -> torch.Tensor:
     return out
 
 
-def flops(pass_: str, tokens: int, hidden: int, vocab: int) -> float:
-    """The matmul floor: 2·N·H·V forward, ×3 more for dhidden and dweight, ×2 when frozen."""
-    return {"fwd": 2, "fwd+bwd": 8, "fwd+bwd-frozen": 6}[pass_] * tokens * hidden * vocab
+def flops(pass_: str, tokens: int, hidden: int, vocab: int, k: int | None = None) -> float:
+    """The matmul floor k·N·H·V; by default k = 2 forward, 8 for a backward that recomputes the
+    logits (dhidden and dweight), 6 when frozen (`Peer.floor_k` gives each peer's own k)."""
+    k = k or {"fwd": 2, "fwd+bwd": 8, "fwd+bwd-frozen": 6}[pass_]
+    return k * tokens * hidden * vocab
 
 
 def memory_floor(pass_: str, tokens: int, hidden: int, vocab: int, dtype: str) -> int:
