@@ -8,7 +8,8 @@ from .core import reference
 from .core.divergences import Divergence
 from .core.reference import group_normalize
 from .head.logprobs import fused_linear_logprobs
-from .losses.modules import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
+from .losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
+from .losses.policy import FusedLinearPolicyLoss
 from .losses.preference import FusedLinearFDOLoss, FusedLinearFHALLoss
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "FusedLinearFHALLoss",
     "FusedLinearGIFTLoss",
     "FusedLinearGRPOLoss",
+    "FusedLinearPolicyLoss",
     "__version__",
     "cpu_backend",
     "fused_linear_logprobs",

@@ -50,6 +50,10 @@ class HeadOptions:
             max_chunk_bytes=check.byte_count("max_chunk_bytes", options.get("max_chunk_bytes")),
         )
 
+    def as_dict(self) -> dict:
+        """The fields by name (shallow: the process group is the same object)."""
+        return {name: getattr(self, name) for name in NAMES}
+
     def logprob_options(self) -> LogProbOptions:
         return LogProbOptions(self.temperature, -100, self.fast_fp32)
 

@@ -26,7 +26,7 @@ import warnings
 import torch
 
 from ..core.options import LOSS_TYPE_SPECS, LossType, Normaliser, Objective, parse
-from ..losses.modules import FusedLinearGRPOLoss
+from ..losses import FusedLinearGRPOLoss
 
 
 def _dapo_items(mask: torch.Tensor, num_items_in_batch):

@@ -28,7 +28,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from ..core.divergences import NAMES as DIVERGENCES
 from ..core.options import LOSS_TYPE_SPECS, LOSS_TYPES, LossType, Normaliser, Objective, parse
-from ..losses.modules import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
+from ..losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
 from . import trl_glue as glue
 
 EXTRA_LOSS_TYPES = ("fgrpo", "gift")

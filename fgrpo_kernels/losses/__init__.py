@@ -1,7 +1,10 @@
 """The fused losses: per-family modules on the fused head, their epilogues, metrics and the
 single-pass plan."""
 
-from .modules import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
+from .fgrpo import FusedLinearFGRPOLoss
+from .gift import FusedLinearGIFTLoss
+from .grpo import FusedLinearGRPOLoss
+from .policy import FusedLinearPolicyLoss
 from .preference import FusedLinearFDOLoss, FusedLinearFHALLoss
 
 __all__ = [
@@ -10,4 +13,5 @@ __all__ = [
     "FusedLinearFHALLoss",
     "FusedLinearGIFTLoss",
     "FusedLinearGRPOLoss",
+    "FusedLinearPolicyLoss",
 ]

@@ -12,14 +12,16 @@ from ..backends import distributed
 from ..core import validation as check
 from ..core.options import FDOOptions, FGRPOOptions, Level, Reduction, mixing_weight
 from ..head.autograd import EpilogueFunction
+from ..head.batch import Batch
 from . import epilogue, metrics, single_pass
-from .modules import FusedLinearFGRPOLoss, _FusedLinearLoss
+from .fgrpo import FusedLinearFGRPOLoss
+from .pipeline import FusedLoss, LossStep
 
 
-def _pools(module: _FusedLinearLoss, chosen, B: int):
+def _pools(module: FusedLoss, chosen, B: int):
     """Check `chosen` [B] bool with both pools non-empty — over the whole data-parallel batch
     with a process_group — and return the batch's (chosen, total) counts (None: this batch)."""
-    dp = module._data_parallel()
+    dp = module.data_parallel()
     pools = None
     if dp is not None:
         check.tensor("chosen", chosen, shape=(B,), dtypes=(torch.bool,))
@@ -28,15 +30,64 @@ def _pools(module: _FusedLinearLoss, chosen, B: int):
     return pools
 
 
-class FusedLinearFDOLoss(_FusedLinearLoss):
+class FDOStep(LossStep):
+    """FDO on one batch. Data-parallel, it is sequence-level f-GRPO with advantages
+    ±1/(pool size) over the whole batch's pools (Σ_chosen φ₊/n_chosen + Σ_rejected φ₊/n_rej)."""
+
+    def __init__(self, module, batch: Batch, chosen, ref, pools):
+        self.opts, self.mask, self.chosen, self.ref = module.opts, batch.mask, chosen, ref
+        self.dp = module.data_parallel()
+        if self.dp is not None:
+            n_chosen, n = float(pools[0]), float(pools[1])
+            self.adv = torch.where(chosen, 1.0 / n_chosen, -1.0 / (n - n_chosen)).float()
+            self.seq = FGRPOOptions(
+                self.opts.divergence, self.opts.beta, Level.SEQUENCE, Reduction.SUM
+            )
+
+    def chunked(self):
+        if self.dp is None:
+            return single_pass.fdo(self.ref, self.mask, self.chosen, self.opts)
+        return single_pass.fgrpo(self.ref, self.mask, self.adv, None, None, None, self.seq)
+
+    def two_pass(self, logps, ent):
+        if self.dp is None:
+            return EpilogueFunction.apply(
+                logps, epilogue.fdo, self.ref, self.mask, self.chosen, self.opts
+            )
+        return EpilogueFunction.apply(
+            logps, epilogue.fgrpo, None, self.ref, self.mask, self.adv, None, None, None, self.seq
+        )
+
+    def metrics(self, loss, logps, ent):
+        # the metrics' loss is the one this rank returns (scaled when data-parallel)
+        return metrics.fdo(
+            self.finish(loss), logps, self.ref, self.mask, self.chosen, self.opts.beta
+        )
+
+    def finish(self, loss):
+        return loss if self.dp is None else loss * self.dp[1]
+
+
+class FusedLinearFDOLoss(FusedLoss):
     """FDO: mean_chosen φ₊(r) + mean_rejected φ₋(r), r_i = β Σ_t mask·log(π/π_ref)."""
 
     def __init__(
-        self, divergence="pearson", beta=0.1, temperature=1.0, fast_fp32=False, *,
-        vocab_parallel=None, process_group=None, max_chunk_bytes=None,
-    ):  # fmt: skip
+        self,
+        divergence="pearson",
+        beta=0.1,
+        temperature=1.0,
+        fast_fp32=False,
+        *,
+        vocab_parallel=None,
+        process_group=None,
+        max_chunk_bytes=None,
+    ):
         super().__init__(
-            temperature, False, fast_fp32, vocab_parallel, process_group, max_chunk_bytes
+            temperature=temperature,
+            fast_fp32=fast_fp32,
+            vocab_parallel=vocab_parallel,
+            process_group=process_group,
+            max_chunk_bytes=max_chunk_bytes,
         )
         self.opts = FDOOptions.parse(divergence, beta)
 
@@ -54,52 +105,12 @@ class FusedLinearFDOLoss(_FusedLinearLoss):
         ref_weight=None,
         ref_bias=None,
     ):
-        B, T, weight, bias = self._batch(hidden, weight, completion_ids, completion_mask, bias)
-        dp, pools = self._data_parallel(), _pools(self, chosen, B)
-        ref = self._given_or_computed(
-            "ref_per_token_logps",
-            ref_per_token_logps,
-            ref_hidden,
-            weight if ref_weight is None else ref_weight,
-            ref_bias,
-            completion_ids,
-            completion_mask,
-            B,
-            T,
+        batch = self.batch(hidden, weight, completion_ids, completion_mask, bias)
+        pools = _pools(self, chosen, batch.B)
+        ref = batch.required_reference(
+            self.head, ref_per_token_logps, ref_hidden, ref_weight, ref_bias
         )
-        if ref is None:
-            raise ValueError(
-                "ref_per_token_logps: expected [B, T] reference log-probs (or ref_hidden); got None"
-            )
-        args = (hidden, weight, completion_ids, completion_mask, bias)
-        if dp is None:
-            out = self._single_pass(
-                *args, lambda: single_pass.fdo(ref, completion_mask, chosen, self.opts)
-            )
-            if out is None:
-                logps, _ = self._logps(*args)
-                loss = EpilogueFunction.apply(
-                    logps, epilogue.fdo, ref, completion_mask, chosen, self.opts
-                )
-            else:
-                loss, logps, _ = out
-        else:  # Σ_chosen φ₊/n_chosen + Σ_rejected φ₋/n_rejected over the whole batch's pools
-            n_chosen, n = float(pools[0]), float(pools[1])
-            adv = torch.where(chosen, 1.0 / n_chosen, -1.0 / (n - n_chosen)).float()
-            seq = FGRPOOptions(self.opts.divergence, self.opts.beta, Level.SEQUENCE, Reduction.SUM)
-            out = self._single_pass(
-                *args,
-                lambda: single_pass.fgrpo(ref, completion_mask, adv, None, None, None, seq),
-            )
-            if out is None:
-                logps, _ = self._logps(*args)
-                loss = EpilogueFunction.apply(
-                    logps, epilogue.fgrpo, None, ref, completion_mask, adv, None, None, None, seq
-                )
-            else:
-                loss, logps, _ = out
-            loss = loss * dp[1]
-        return loss, metrics.fdo(loss, logps, ref, completion_mask, chosen, self.opts.beta)
+        return self.run(batch, FDOStep(self, batch, chosen, ref, pools))
 
 
 class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
@@ -122,10 +133,9 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
             divergence, beta, level, reduction, num_generations, temperature, **fgrpo_options
         )
         self.lam = mixing_weight(lam)
-        self.fdo = FusedLinearFDOLoss(
-            divergence, beta, temperature, self.fast_fp32, vocab_parallel=self.vocab_parallel,
-            process_group=self.process_group, max_chunk_bytes=self.max_chunk_bytes,
-        )  # fmt: skip
+        head = self.head.as_dict()
+        head.pop("compute_entropy")
+        self.fdo = FusedLinearFDOLoss(divergence, beta, **head)
 
     def forward(
         self,
@@ -149,10 +159,12 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
         ref_weight=None,
         ref_bias=None,
     ):
-        self._batch(pref_hidden, weight, pref_completion_ids, pref_completion_mask, bias, "pref_")
-        _pools(self, chosen, pref_hidden.shape[0])
+        pref = self.batch(
+            pref_hidden, weight, pref_completion_ids, pref_completion_mask, bias, "pref_"
+        )
+        _pools(self, chosen, pref.B)
         check.optional_per_token(
-            "pref_ref_per_token_logps", pref_ref_per_token_logps, *pref_hidden.shape[:2]
+            "pref_ref_per_token_logps", pref_ref_per_token_logps, pref.B, pref.T
         )
         on_policy, m_on = super().forward(
             hidden,
@@ -168,7 +180,7 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
             ref_weight=ref_weight,
             ref_bias=ref_bias,
         )
-        pref, m_pref = self.fdo(
+        pref_loss, m_pref = self.fdo(
             pref_hidden,
             weight,
             pref_completion_ids,
@@ -180,7 +192,7 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
             ref_weight=ref_weight,
             ref_bias=ref_bias,
         )
-        loss = self.lam * pref + (1.0 - self.lam) * on_policy
+        loss = self.lam * pref_loss + (1.0 - self.lam) * on_policy
         out = {"loss": loss.detach()}
         out.update({f"fgrpo/{k}": v for k, v in m_on.items()})
         out.update({f"fdo/{k}": v for k, v in m_pref.items()})

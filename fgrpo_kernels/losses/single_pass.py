@@ -32,6 +32,7 @@ import torch
 
 from ..backends import memory, phases
 from ..core import grpo_math, reference
+from ..core import validation as check
 from ..core.options import (
     FDOOptions,
     FGRPOOptions,
@@ -43,12 +44,27 @@ from ..core.options import (
     Reduction,
 )
 from ..head.autograd import SinglePassFunction, select_backend
+from ..head.batch import Batch
+from ..head.options import HeadOptions
 from . import epilogue
 
 ENV = "FGRPO_MAX_CHUNK_BYTES"
 # The logits buffer by default: ~1 GiB on a GPU (a few thousand rows of a 128k vocabulary); on
 # the CPU 32 MiB, a few hundred rows of a 32k vocabulary, which the last-level cache mostly holds.
 DEFAULT_BYTES = {"cuda": 1 << 30, "cpu": 32 << 20}
+
+
+# Why a loss takes the two-pass path (docs/math.md §5, "Single pass"): every reason lives here.
+NO_GRADIENT = "no gradient is wanted (a forward alone is one pass)"
+VOCAB_PARALLEL = "vocab_parallel: a chunk's log-sum-exp needs every rank's shard of the vocabulary"
+RETURNED_ENTROPY = (
+    "return_entropy=True: the entropy is returned with its gradient, whose upstream is not known "
+    "in the forward"
+)
+ENTROPY_MASK = (
+    "top_entropy_quantile < 1: the entropy mask's threshold is a quantile of the whole batch's "
+    "entropies"
+)
 
 
 class Locality(enum.IntEnum):
@@ -142,6 +158,52 @@ def plan(hidden, weight, lengths: list[int], loss: ChunkedLoss | str, max_bytes:
     if isinstance(chunks, str):
         return chunks
     return backend, max_rows, chunks
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The single pass as it will run: the backend, rows per chunk, the token ranges, the loss."""
+
+    backend: object
+    max_rows: int
+    chunks: list
+    loss: ChunkedLoss
+
+    def __str__(self) -> str:
+        return "single"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why the two-pass path runs instead."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return f"two-pass: {self.reason}"
+
+
+def decide(batch: Batch, head: HeadOptions, chunked: Callable[[], ChunkedLoss | str]):
+    """The path of one call, decided once: a `Plan`, or a `Refusal` with its reason.
+    `chunked()` builds the loss's `ChunkedLoss`, or says (str) why it has none; it is called
+    only when a single pass could otherwise run."""
+    if not batch.wants_grad():
+        return Refusal(NO_GRADIENT)
+    if head.vocab_parallel is not None:
+        return Refusal(VOCAB_PARALLEL)
+    max_bytes = chunk_bytes(head.max_chunk_bytes, batch.hidden.device)
+    loss = chunked() if max_bytes else None
+    how = plan(batch.hidden, batch.weight, batch.lengths(), loss, max_bytes)
+    return Refusal(how) if isinstance(how, str) else Plan(*how, loss)
+
+
+def execute(how: Plan, batch: Batch, head: HeadOptions, entropy: bool):
+    """(loss, logps [B, T], entropy [B, T] | None) of the batch by the planned single pass."""
+    positions, rows, targets = batch.tokens()
+    check.logprob_inputs(rows, batch.weight, targets, batch.bias, head.temperature, -100)
+    bias = None if batch.bias is None else batch.bias.contiguous()
+    return run(how.backend, how.max_rows, how.chunks, rows, batch.weight.contiguous(), targets,
+               bias, head.logprob_options(), positions, batch.mask, how.loss, entropy)  # fmt: skip
 
 
 def run(backend, max_rows, chunks, hidden, weight, targets, bias, lp_opts: LogProbOptions,

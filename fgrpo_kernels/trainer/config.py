@@ -10,7 +10,7 @@ import torch
 from ..core import validation as check
 from ..core.divergences import NAMES as DIVERGENCES
 from ..core.options import Level, LossType, Scale, parse, parse_level_reduction
-from ..losses.modules import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
+from ..losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
 from ..losses.preference import FusedLinearFHALLoss
 
 LOSSES = ("fgrpo", "grpo", "gift", "fhal")

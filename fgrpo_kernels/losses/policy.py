@@ -1,0 +1,271 @@
+"""The policy-loss variants on the fused head: GMPO (TRL's GMPOTrainer), GSPO-token, verl's
+registry (vanilla with dual clip, gspo, clip_cov, geo_mean, gpg, dro, dppo_tv, dppo_kl,
+kl_cov) and M2PO, each with the shared rollout correction and a KL term of any estimator.
+
+A variant is one entry of `VARIANTS`: its plain-PyTorch loss on per-token log-probs
+(`core.policy_variants*`, `core.policy_m2po`), whose autograd gives dL/dlogp; the fused head
+gives the log-probs and their gradient without [N, V] on every backend (torch, C++, Triton).
+These losses take the two-pass path (8·N·H·V): their gradient is not formed in the sweep.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..core import policy_m2po, policy_variants, policy_variants_verl_pg
+from ..core import validation as check
+from ..core.kl_estimators import KLPenalty
+from ..core.policy_variants_verl import AGG_MODES, agg_loss
+from ..core.rollout_correction import RolloutCorrection, rollout_correction
+from ..head.batch import Batch
+from .pipeline import FusedLoss, LossStep
+
+# A variant's arguments that the module fills in itself, and those that come with each call.
+FILLED = ("logp", "old_logp", "advantages", "mask", "ref_logp", "entropy", "rollout_is_weights")
+PER_CALL = (
+    "clip_cov_keep",
+    "global_batch_info",
+    "num_items_in_batch",
+    "vllm_is_ratio",
+    "sampling_logp",
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One policy loss: `fn(logp, old_logp, advantages, mask, **kw) -> (loss, metrics)`;
+    `source` names whose semantics it follows ("trl", "verl", "m2po")."""
+
+    fn: Callable
+    source: str
+
+    def parameters(self) -> dict:
+        return dict(inspect.signature(self.fn).parameters)
+
+    def options(self) -> tuple[str, ...]:
+        return tuple(p for p in self.parameters() if p not in FILLED + PER_CALL)
+
+    def takes(self, name: str) -> bool:
+        return name in self.parameters()
+
+
+VARIANTS: dict[str, Variant] = {
+    "gmpo": Variant(policy_variants.gmpo_loss, "trl"),
+    "gspo_token": Variant(policy_variants.gspo_token_loss, "trl"),
+    **{name: Variant(fn, "verl") for name, fn in policy_variants_verl_pg.POLICY_LOSSES.items()},
+    "m2po": Variant(policy_m2po.m2po_loss, "m2po"),
+}
+
+
+def variant(loss_mode: str) -> Variant:
+    if loss_mode not in VARIANTS:
+        raise ValueError(
+            f"loss_mode: expected one of {', '.join(map(repr, VARIANTS))}; got {loss_mode!r}"
+        )
+    return VARIANTS[loss_mode]
+
+
+class PolicyStep(LossStep):
+    """A variant on one batch: rollout correction, the variant's loss, the KL term."""
+
+    def __init__(self, module, batch: Batch, advantages, old, ref, rollout, inputs, ret_entropy):
+        self.module, self.mask = module, batch.mask
+        self.adv = advantages.detach()
+        self.old = None if old is None else old.detach()
+        self.ref, self.rollout, self.inputs = ref, rollout, inputs
+        self.return_entropy = ret_entropy
+        self.need_entropy = module.compute_entropy or ret_entropy or module.needs_entropy
+        self.extra = {}
+
+    def chunked(self):
+        return f"loss_mode={self.module.loss_mode!r}: a plain-PyTorch loss (two-pass path)"
+
+    def two_pass(self, logps, ent):
+        m, kw = self.module, dict(self.inputs)
+        old = logps.detach() if self.old is None else self.old
+        mask = self.mask
+        if m.rollout_correction is not None:
+            weights, mask, self.extra = rollout_correction(
+                logps, old, self.rollout, mask, m.rollout_correction
+            )
+            if m.rollout_correction.applies_weights:
+                kw[m.weights_arg] = weights
+        if m.variant.takes("ref_logp"):
+            kw["ref_logp"] = self.ref
+        if m.variant.takes("entropy") and ent is not None:
+            kw["entropy"] = ent
+        loss, metrics = m.variant.fn(logps, old, self.adv, mask, **m.options, **kw)
+        if m.kl_coef != 0.0:
+            kl = m.kl_penalty(logps, self.ref, mask)
+            kl_loss = agg_loss(kl, mask, m.kl_agg_mode)
+            loss = loss + m.kl_coef * kl_loss
+            metrics = {
+                **metrics,
+                "actor/kl_loss": kl_loss.detach(),
+                "actor/kl_coef": torch.tensor(m.kl_coef),
+            }
+        self.extra = {**metrics, **self.extra}
+        return loss
+
+    def metrics(self, loss, logps, ent):
+        out = {"loss": loss.detach(), **self.extra}
+        if ent is not None and "entropy" not in out:
+            live = self.mask.bool()
+            out["entropy"] = ent.detach()[live].float().mean() if live.any() else ent.new_zeros(())
+        return out
+
+
+class FusedLinearPolicyLoss(FusedLoss):
+    """A policy-loss variant on hidden states (`VARIANTS`; SPEC: docs/variants.md).
+
+    `loss_mode`: "gmpo", "gspo_token", verl's "vanilla", "gspo", "clip_cov", "geo_mean", "gpg",
+    "dro", "dppo_tv", "dppo_kl", "kl_cov", or "m2po"; `options` are the variant's own keywords
+    under its source's names and defaults (verl's clip_ratio, clip_ratio_c, loss_agg_mode, ...;
+    TRL's epsilon, beta, loss_type, ...); an unknown name is a TypeError listing the valid ones.
+    `rollout_correction`: a `RolloutCorrection` or a dict of verl's, OpenRLHF's or TRL's names
+    (forward then needs `rollout_per_token_logps`, the sampler's log-probs). `kl_coef` with
+    `kl_penalty` (an estimator name: k1, abs, k2, k3, low_var_kl, or a "+" form, or a
+    `KLPenalty`): verl's KL loss, kl_coef·agg(kl, loss_agg_mode), needs the reference log-probs.
+
+    Forward: hidden [B, T, H], weight [V, H], completion_ids / completion_mask [B, T],
+    advantages [B] (or [B, T] where the source allows), old / ref / rollout per-token log-probs
+    [B, T] (old defaults to the current ones, detached), and the variant's per-call inputs by
+    name (clip_cov_keep, global_batch_info, num_items_in_batch, vllm_is_ratio, sampling_logp).
+    Returns (loss, metrics), or (loss, metrics, entropy [B, T]) with `return_entropy=True`.
+    """
+
+    def __init__(
+        self,
+        loss_mode="vanilla",
+        *,
+        rollout_correction=None,
+        kl_coef=0.0,
+        kl_penalty="k3",
+        temperature=1.0,
+        compute_entropy=False,
+        fast_fp32=False,
+        vocab_parallel=None,
+        process_group=None,
+        max_chunk_bytes=None,
+        **options,
+    ):
+        super().__init__(
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            fast_fp32=fast_fp32,
+            vocab_parallel=vocab_parallel,
+            process_group=process_group,
+            max_chunk_bytes=max_chunk_bytes,
+        )
+        if process_group is not None:
+            raise ValueError(
+                "process_group: the policy variants take the whole batch on one process; pass "
+                "verl's global_batch_info (dp_size, batch_num_tokens, global_batch_size) instead"
+            )
+        self.loss_mode, self.variant = loss_mode, variant(loss_mode)
+        self.options = self._options(options)
+        if loss_mode == "m2po":  # the clip M2PO sets must exist before the first batch
+            check.choice("clip_loss", self.options.get("clip_loss", "ppo"), policy_m2po.CLIP_LOSSES)
+        self.rollout_correction = self._rollout(rollout_correction)
+        self.kl_coef = check.real("kl_coef", kl_coef)
+        self.kl_penalty = KLPenalty.parse(kl_penalty)
+        self.kl_agg_mode = self.options.get("loss_agg_mode", "token-mean")
+        check.choice("loss_agg_mode", self.kl_agg_mode, AGG_MODES)
+        quantile = self.options.get("top_entropy_quantile", 1.0)
+        self.needs_entropy = self.variant.takes("entropy") and (
+            quantile < 1.0 or self.options.get("entropy_coef", 0.0) != 0.0
+        )
+
+    def _options(self, options: dict) -> dict:
+        valid = self.variant.options()
+        takes_any = any(p.kind == p.VAR_KEYWORD for p in self.variant.parameters().values())
+        unknown = [k for k in options if k not in valid and not takes_any]
+        if unknown:
+            raise TypeError(
+                f"{unknown[0]}: not an option of loss_mode={self.loss_mode!r}; expected one of "
+                f"{', '.join(valid)}"
+            )
+        return dict(options)
+
+    def _rollout(self, options):
+        if options is None:
+            return None
+        opts = RolloutCorrection.parse(**options) if isinstance(options, dict) else options
+        if not isinstance(opts, RolloutCorrection):
+            raise TypeError(
+                f"rollout_correction: expected a RolloutCorrection, a dict or None; got {options!r}"
+            )
+        self.weights_arg = next(
+            (a for a in ("rollout_is_weights", "vllm_is_ratio") if self.variant.takes(a)), None
+        )
+        if opts.applies_weights and self.weights_arg is None:
+            raise ValueError(
+                f"rollout_correction: loss_mode={self.loss_mode!r} takes no IS weights (its "
+                "source has none); use a rejection-only correction (rollout_is=None)"
+            )
+        return opts
+
+    def forward(
+        self,
+        hidden,
+        weight,
+        completion_ids,
+        completion_mask,
+        advantages,
+        bias=None,
+        *,
+        old_per_token_logps=None,
+        ref_per_token_logps=None,
+        rollout_per_token_logps=None,
+        ref_hidden=None,
+        ref_weight=None,
+        ref_bias=None,
+        return_entropy=False,
+        **inputs,
+    ):
+        batch = self.batch(hidden, weight, completion_ids, completion_mask, bias)
+        B, T = batch.B, batch.T
+        check.tensor("advantages", advantages, floating=True)
+        if tuple(advantages.shape) not in ((B,), (B, T)):
+            raise ValueError(
+                f"advantages: expected [B] or [B, T] = [{B}] or [{B}, {T}]; got "
+                f"{list(advantages.shape)}"
+            )
+        check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
+        unknown = [k for k in inputs if k not in PER_CALL or not self.variant.takes(k)]
+        if unknown:
+            takes = [k for k in PER_CALL if self.variant.takes(k)]
+            raise TypeError(
+                f"{unknown[0]}: not an input of loss_mode={self.loss_mode!r}; "
+                f"expected one of {', '.join(takes) or 'none'}"
+            )
+        ref = batch.given_or_computed(
+            self.head, "ref_per_token_logps", ref_per_token_logps, ref_hidden, ref_weight, ref_bias
+        )
+        needs_ref = self.kl_coef != 0.0 or (
+            self.variant.takes("ref_logp") and self.options.get("beta", 0.0) != 0.0
+        )
+        if needs_ref and ref is None:
+            raise ValueError(
+                "ref_per_token_logps: expected [B, T] reference log-probs (or "
+                "ref_hidden) with a KL term (kl_coef or beta != 0); got None"
+            )
+        if self.rollout_correction is not None:
+            check.tensor(
+                "rollout_per_token_logps", rollout_per_token_logps, shape=(B, T), floating=True
+            )
+        step = PolicyStep(
+            self,
+            batch,
+            advantages,
+            old_per_token_logps,
+            ref,
+            rollout_per_token_logps,
+            inputs,
+            return_entropy,
+        )
+        return self.run(batch, step)
