@@ -139,15 +139,10 @@ class FusedLinearFGRPOLoss(FusedLoss):
         vocab_parallel=None,
         process_group=None,
         max_chunk_bytes=None,
+        **more_head,
     ):
-        super().__init__(
-            temperature=temperature,
-            compute_entropy=compute_entropy,
-            fast_fp32=fast_fp32,
-            vocab_parallel=vocab_parallel,
-            process_group=process_group,
-            max_chunk_bytes=max_chunk_bytes,
-        )
+        head = (temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
+        super().__init__(*head, max_chunk_bytes, **more_head)
         self.opts = FGRPOOptions.parse(
             divergence,
             beta,

@@ -60,15 +60,10 @@ class FusedLinearGIFTLoss(FusedLoss):
         vocab_parallel=None,
         process_group=None,
         max_chunk_bytes=None,
+        **more_head,
     ):
-        super().__init__(
-            temperature=temperature,
-            compute_entropy=compute_entropy,
-            fast_fp32=fast_fp32,
-            vocab_parallel=vocab_parallel,
-            process_group=process_group,
-            max_chunk_bytes=max_chunk_bytes,
-        )
+        head = (temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
+        super().__init__(*head, max_chunk_bytes, **more_head)
         self.opts = GIFTOptions.parse(num_generations, beta, eps, unbiased, detach_stats)
 
     def forward(

@@ -10,6 +10,7 @@ from ..core import validation as check
 from ..core.options import GRPOOptions
 from ..head.autograd import EpilogueFunction
 from ..head.batch import Batch
+from ..head.options import split
 from . import epilogue, metrics, single_pass
 from .pipeline import FusedLoss, LossStep
 
@@ -148,14 +149,9 @@ class FusedLinearGRPOLoss(FusedLoss):
         max_chunk_bytes=None,
         **options,
     ):
-        super().__init__(
-            temperature=temperature,
-            compute_entropy=compute_entropy,
-            fast_fp32=fast_fp32,
-            vocab_parallel=vocab_parallel,
-            process_group=process_group,
-            max_chunk_bytes=max_chunk_bytes,
-        )
+        head = (temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
+        more_head, options = split(options)  # a newer HeadOptions field by keyword
+        super().__init__(*head, max_chunk_bytes, **more_head)
         self.use_ref_model = bool(use_ref_model)
         self.opts = GRPOOptions.parse(
             loss_type,

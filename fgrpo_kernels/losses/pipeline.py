@@ -59,9 +59,13 @@ def _head_property(name: str) -> property:
 class FusedLoss(torch.nn.Module):
     """The base of every fused loss module: the head's options, the batch, the pipeline."""
 
-    def __init__(self, **head):
+    def __init__(self, *head_args, **head):
+        """The head's options by keyword, or positionally in `HeadOptions` order (temperature,
+        compute_entropy, fast_fp32, vocab_parallel, process_group, max_chunk_bytes)."""
         super().__init__()
-        self.head = HeadOptions.parse(**head)
+        if len(head_args) > len(NAMES):
+            raise TypeError(f"expected at most {len(NAMES)} head options; got {len(head_args)}")
+        self.head = HeadOptions.parse(**dict(zip(NAMES, head_args)), **head)
         self.last_pass = None
 
     def batch(self, hidden, weight, ids, mask, bias, prefix: str = "") -> Batch:

@@ -22,6 +22,7 @@ from ..core.kl_estimators import KLPenalty
 from ..core.policy_variants_verl import AGG_MODES, agg_loss
 from ..core.rollout_correction import RolloutCorrection, rollout_correction
 from ..head.batch import Batch
+from ..head.options import split
 from .pipeline import FusedLoss, LossStep
 
 # A variant's arguments that the module fills in itself, and those that come with each call.
@@ -153,14 +154,9 @@ class FusedLinearPolicyLoss(FusedLoss):
         max_chunk_bytes=None,
         **options,
     ):
-        super().__init__(
-            temperature=temperature,
-            compute_entropy=compute_entropy,
-            fast_fp32=fast_fp32,
-            vocab_parallel=vocab_parallel,
-            process_group=process_group,
-            max_chunk_bytes=max_chunk_bytes,
-        )
+        head = (temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
+        more_head, options = split(options)  # a newer HeadOptions field by keyword
+        super().__init__(*head, max_chunk_bytes, **more_head)
         if process_group is not None:
             raise ValueError(
                 "process_group: the policy variants take the whole batch on one process; pass "
@@ -228,21 +224,7 @@ class FusedLinearPolicyLoss(FusedLoss):
         **inputs,
     ):
         batch = self.batch(hidden, weight, completion_ids, completion_mask, bias)
-        B, T = batch.B, batch.T
-        check.tensor("advantages", advantages, floating=True)
-        if tuple(advantages.shape) not in ((B,), (B, T)):
-            raise ValueError(
-                f"advantages: expected [B] or [B, T] = [{B}] or [{B}, {T}]; got "
-                f"{list(advantages.shape)}"
-            )
-        check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
-        unknown = [k for k in inputs if k not in PER_CALL or not self.variant.takes(k)]
-        if unknown:
-            takes = [k for k in PER_CALL if self.variant.takes(k)]
-            raise TypeError(
-                f"{unknown[0]}: not an input of loss_mode={self.loss_mode!r}; "
-                f"expected one of {', '.join(takes) or 'none'}"
-            )
+        self._check_inputs(batch, advantages, old_per_token_logps, rollout_per_token_logps, inputs)
         ref = batch.given_or_computed(
             self.head, "ref_per_token_logps", ref_per_token_logps, ref_hidden, ref_weight, ref_bias
         )
@@ -254,18 +236,25 @@ class FusedLinearPolicyLoss(FusedLoss):
                 "ref_per_token_logps: expected [B, T] reference log-probs (or "
                 "ref_hidden) with a KL term (kl_coef or beta != 0); got None"
             )
-        if self.rollout_correction is not None:
-            check.tensor(
-                "rollout_per_token_logps", rollout_per_token_logps, shape=(B, T), floating=True
-            )
-        step = PolicyStep(
-            self,
-            batch,
-            advantages,
-            old_per_token_logps,
-            ref,
-            rollout_per_token_logps,
-            inputs,
-            return_entropy,
-        )
+        step = PolicyStep(self, batch, advantages, old_per_token_logps, ref,
+                          rollout_per_token_logps, inputs, return_entropy)  # fmt: skip
         return self.run(batch, step)
+
+    def _check_inputs(self, batch: Batch, advantages, old, rollout, inputs: dict) -> None:
+        B, T = batch.B, batch.T
+        check.tensor("advantages", advantages, floating=True)
+        if tuple(advantages.shape) not in ((B,), (B, T)):
+            raise ValueError(
+                f"advantages: expected [B] or [B, T] = [{B}] or [{B}, {T}]; got "
+                f"{list(advantages.shape)}"
+            )
+        check.optional_per_token("old_per_token_logps", old, B, T)
+        unknown = [k for k in inputs if k not in PER_CALL or not self.variant.takes(k)]
+        if unknown:
+            takes = [k for k in PER_CALL if self.variant.takes(k)]
+            raise TypeError(
+                f"{unknown[0]}: not an input of loss_mode={self.loss_mode!r}; "
+                f"expected one of {', '.join(takes) or 'none'}"
+            )
+        if self.rollout_correction is not None:
+            check.tensor("rollout_per_token_logps", rollout, shape=(B, T), floating=True)

@@ -81,14 +81,10 @@ class FusedLinearFDOLoss(FusedLoss):
         vocab_parallel=None,
         process_group=None,
         max_chunk_bytes=None,
+        **more_head,
     ):
-        super().__init__(
-            temperature=temperature,
-            fast_fp32=fast_fp32,
-            vocab_parallel=vocab_parallel,
-            process_group=process_group,
-            max_chunk_bytes=max_chunk_bytes,
-        )
+        head = (temperature, False, fast_fp32, vocab_parallel, process_group, max_chunk_bytes)
+        super().__init__(*head, **more_head)
         self.opts = FDOOptions.parse(divergence, beta)
 
     def forward(
@@ -167,31 +163,16 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
             "pref_ref_per_token_logps", pref_ref_per_token_logps, pref.B, pref.T
         )
         on_policy, m_on = super().forward(
-            hidden,
-            weight,
-            completion_ids,
-            completion_mask,
-            advantages=advantages,
-            rewards=rewards,
-            ref_per_token_logps=ref_per_token_logps,
-            old_per_token_logps=old_per_token_logps,
-            bias=bias,
-            ref_hidden=ref_hidden,
-            ref_weight=ref_weight,
-            ref_bias=ref_bias,
-        )
+            hidden, weight, completion_ids, completion_mask, advantages=advantages,
+            rewards=rewards, ref_per_token_logps=ref_per_token_logps, bias=bias,
+            old_per_token_logps=old_per_token_logps, ref_hidden=ref_hidden,
+            ref_weight=ref_weight, ref_bias=ref_bias,
+        )  # fmt: skip
         pref_loss, m_pref = self.fdo(
-            pref_hidden,
-            weight,
-            pref_completion_ids,
-            pref_completion_mask,
-            chosen,
-            pref_ref_per_token_logps,
-            bias=bias,
-            ref_hidden=pref_ref_hidden,
-            ref_weight=ref_weight,
-            ref_bias=ref_bias,
-        )
+            pref_hidden, weight, pref_completion_ids, pref_completion_mask, chosen,
+            pref_ref_per_token_logps, bias=bias, ref_hidden=pref_ref_hidden,
+            ref_weight=ref_weight, ref_bias=ref_bias,
+        )  # fmt: skip
         loss = self.lam * pref_loss + (1.0 - self.lam) * on_policy
         out = {"loss": loss.detach()}
         out.update({f"fgrpo/{k}": v for k, v in m_on.items()})
