@@ -164,8 +164,8 @@ def test_overwrite_replaces_the_run_and_only_the_run(tmp_path):
     (out / "notes.txt").write_text("mine")
     assert main([*TRAIN, "--out", str(out), "--steps", "1", "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
-        "final", "metrics.jsonl", "notes.txt", "run.json", "summary.json", "train_config.json",
-        "training.png",
+        ".lock", "final", "metrics.jsonl", "notes.txt", "run.json", "summary.json",
+        "train_config.json", "training.png",
     ]  # fmt: skip
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
 

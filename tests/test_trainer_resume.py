@@ -83,7 +83,6 @@ def test_resume_keeps_the_run_as_it_was_started(tmp_path, capsys):
     for args, message in [
         (["--steps", "4", "--loss", "grpo"], "--loss: the run .* was started with 'gift'"),
         (["--steps", "4", "--lr", "0.1"], "--lr: the run .* was started with 0.003"),
-        (["--steps", "2"], "--steps: the run .* has done 2 steps"),
         (["--steps", "4", "--overwrite"], "--resume: --resume continues the run"),
     ]:
         assert main([*TRAIN, "--out", str(out), "--resume", *args]) == 2, args

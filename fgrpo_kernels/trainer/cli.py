@@ -21,11 +21,13 @@ from pathlib import Path
 
 from ..core.divergences import NAMES as DIVERGENCES
 from ..core.options import LEVELS, LOSS_TYPES
-from . import run_dir
-from .config import LOSSES, SCHEDULERS, TrainConfig
+from . import lock, run_dir, writes
+from .config import LOSSES, REPORT_TO, SCHEDULERS, TrainConfig
 
 PROG = "fgrpo train"
-DEFAULTS = {f.name: f.default for f in fields(TrainConfig)} | {
+# out_dir and progress are --out and --no-progress
+DEFAULTS = {f.name: f.default for f in fields(TrainConfig) if f.name not in ("out_dir", "progress")}
+DEFAULTS |= {
     "out": None, "resume": False, "overwrite": False, "model": None,
     "lora_r": 0, "lora_alpha": None, "lora_target": "all-linear",
     "prompts": None, "prompt_column": "prompt", "answer_column": "answer",
@@ -34,7 +36,8 @@ DEFAULTS = {f.name: f.default for f in fields(TrainConfig)} | {
 }  # fmt: skip
 # what a resumed run may change; every other option must equal the run's own
 RESUMABLE = {
-    "out", "resume", "steps", "save_every", "eval_every", "threads", "no_progress", "device",
+    "out", "resume", "steps", "save_every", "save_total_limit", "report_to", "eval_every",
+    "threads", "no_progress", "device",
 }  # fmt: skip
 PATHS = ("prompts", "eval_prompts", "preferences")
 FLAGS: set[str] = set()  # the options' dest names, filled by add_arguments
@@ -48,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     a("--overwrite", action="store_true", help="replace the run in a non-empty --out")
     a("--save-every", type=int, metavar="N", help="checkpoint every N steps; 0: final/ only")
+    a("--save-total-limit", type=int, metavar="N", help="keep the newest N checkpoint-N/ "
+      "folders (final/ besides); 0: every one")  # fmt: skip
+    a("--report-to", choices=REPORT_TO, help="also log every metric to TensorBoard (DIR/runs) "
+      "or W&B, under TRL's names")  # fmt: skip
     a("--no-progress", action="store_true", help="no progress bar")
     a = _adder(parser.add_argument_group("model"))
     a("--model", metavar="PATH", help="HF checkpoint folder or Hub id", shown="the tiny model")
@@ -172,6 +179,10 @@ def fail(error: Exception | str, rank: int = 0) -> int:
 STOPPED = f"{PROG}: stopped at once (the last complete checkpoint is kept)"
 
 
+class RunComplete(Exception):
+    """`--resume` of a run that has done its --steps: nothing to do (exit 0, as HF Trainer)."""
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(vars(args))
@@ -185,18 +196,29 @@ def _run(explicit: dict) -> int:
 
     launch = parallel.launch_env()
     rank = 0 if launch is None else launch.rank
-    checked, error = None, None
+    checked, error, complete, held = None, None, None, lock.RunLock(Path(explicit["out"]))
     try:
-        checked = _check(explicit, launch)
+        checked = _check(explicit, launch, rank)
+        if rank == 0:
+            held.acquire()  # refuses when another process took it since the check
+    except RunComplete as e:
+        complete = str(e)
     except (ValueError, TypeError) as e:
         error = str(e)
     owned = launch is not None and parallel.init(launch)
     # every rank stops here, or none does, before any of them touches the run folder
     error = parallel.first_error(error)
-    if error is None:
-        code, together = _train(*checked, rank)
-    else:
-        code, together = (fail(error) if rank == 0 else 2), True
+    try:
+        if complete is not None:
+            code, together = 0, True
+            if rank == 0:
+                print(f"{PROG}: {complete}")
+        elif error is None:
+            code, together = _train_or_stop(checked, rank)
+        else:
+            code, together = (fail(error) if rank == 0 else 2), True
+    finally:
+        held.release()
     # a peer may be waiting in a collective unless `together`: exiting lets torchrun end it
     if together and not parallel.shutdown(owned):
         # the group outlived destroy_process_group (FSDP2): leave before the interpreter's
@@ -207,10 +229,13 @@ def _run(explicit: dict) -> int:
     return code
 
 
-def _check(explicit: dict, launch) -> tuple:
-    """Every check that needs no model weights; ValueError/TypeError name the option."""
+def _check(explicit: dict, launch, rank: int = 0) -> tuple:
+    """Every check that needs no model weights; ValueError/TypeError name the option.
+    RunComplete: a resumed run that has nothing left to do."""
     from . import preflight
 
+    if rank == 0:  # first: a folder in use is refused whatever the other options say
+        lock.check(Path(explicit["out"]).expanduser().resolve())
     opts = resolve_options(explicit)
     cfg = make_config(opts)
     if cfg.fsdp and launch is None:
@@ -225,11 +250,22 @@ def _check(explicit: dict, launch) -> tuple:
     plan = preflight.load_data(opts)
     checkpoint = run_dir.latest_checkpoint(opts["out"]) if opts["resume"] else None
     if checkpoint is not None and run_dir.checkpoint_step(checkpoint) >= cfg.steps:
-        raise ValueError(
-            f"steps: the run in {opts['out']!r} has done {run_dir.checkpoint_step(checkpoint)} "
-            f"steps; pass --steps N with more than that to continue it"
+        raise RunComplete(
+            f"the run in {opts['out']!r} is complete: it has done "
+            f"{run_dir.checkpoint_step(checkpoint)} steps (--steps {cfg.steps}); pass --resume "
+            f"--steps N with a larger N to train it further"
         )
     return opts, cfg, device, source, tokenizer, plan, checkpoint
+
+
+def _train_or_stop(checked: tuple, rank: int) -> tuple[int, bool]:
+    """`_train`, where a full disk, a quota or a read-only folder ends the run with one line
+    (exit 1); the last complete checkpoint is what `--resume` continues from."""
+    try:
+        return _train(*checked, rank)
+    except writes.RunFolderError as e:
+        fail(e, rank)
+        return 1, False
 
 
 def _train(opts, cfg, device, source, tokenizer, plan, checkpoint, rank: int):
@@ -271,14 +307,33 @@ def _train(opts, cfg, device, source, tokenizer, plan, checkpoint, rank: int):
     message = (
         "finishing this step, then writing final/, summary.json, training.png; again: stop now"
     )
+    build_s = _build_backend(device) if main else None
     with GracefulStop(trainer.request_stop, message if main else None, STOPPED) as stop:
         start = time.perf_counter()
         try:
             history = trainer.train()
+            # the first signal of any rank (torchrun passes its own on to every rank)
+            signalled = next((s for s in trainer.ranks.gather(stop.signalled) if s), None)
+            if main:
+                wall = time.perf_counter() - start
+                finish(trainer, history, wall, loss_name(cfg), signalled, build_s)
         except RewardError as e:
             return fail(e, rank), False
-        # the first signal of any rank (torchrun passes its own on to every rank)
-        signalled = next((s for s in trainer.ranks.gather(stop.signalled) if s), None)
-        if main:
-            finish(trainer, history, time.perf_counter() - start, loss_name(cfg), signalled)
     return (130 if signalled else 0), True
+
+
+def _build_backend(device: str) -> float | None:
+    """Build (or load) the C++ CPU backend now, on a line of its own before the progress
+    bar, so that its minute is not step 1's; the seconds a build took (None: no build)."""
+    import torch
+
+    from ..backends import cpu
+    from ..head.autograd import use_triton
+
+    if torch.device(device).type != "cpu" or use_triton(torch.device(device)):
+        return None
+    try:
+        cpu.backend_module()
+    except RuntimeError:
+        return None  # FGRPO_CPU_BACKEND=cpp and no build: the first step says so
+    return cpu.cpp_build_seconds()

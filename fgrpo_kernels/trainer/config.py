@@ -17,6 +17,7 @@ LOSSES = ("fgrpo", "grpo", "gift", "fhal")
 DEFAULT_BETA = {"fgrpo": 0.1, "grpo": 0.04, "gift": 1.0, "fhal": 0.1}
 SCHEDULERS = ("constant", "linear", "cosine")
 REFERENCES = ("auto", "copy", "adapter")
+REPORT_TO = ("none", "tensorboard", "wandb")
 
 
 @dataclass
@@ -77,6 +78,8 @@ class TrainConfig:
     # bookkeeping
     seed: int = 0
     save_every: int = 0
+    save_total_limit: int = 0  # keep the newest N checkpoint-N/ (and final/); 0: every one
+    report_to: str = "none"  # also log every metric to "tensorboard" or "wandb" (TRL's names)
     progress: bool = True
 
     def __post_init__(self):
@@ -105,7 +108,9 @@ class TrainConfig:
                     f"{self.num_generations}; got {self.rollouts_per_step}"
                 )
             self.prompts_per_step = self.rollouts_per_step // self.num_generations
-        for name in ("warmup_steps", "save_every", "eval_every", "chance_samples"):
+        check.choice("report_to", self.report_to, REPORT_TO)
+        for name in ("warmup_steps", "save_every", "save_total_limit", "eval_every",
+                     "chance_samples"):  # fmt: skip
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected an int >= 0; got {getattr(self, name)!r}")
         check.positive("lr", self.lr)

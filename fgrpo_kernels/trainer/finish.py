@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from . import run_dir
+from . import run_dir, writes
 
 
 def fifths(history: list[dict]) -> tuple[float, float]:
@@ -15,7 +15,11 @@ def fifths(history: list[dict]) -> tuple[float, float]:
     return sum(rewards[:n]) / n, sum(rewards[-n:]) / n
 
 
-def summarize(trainer, history: list[dict], wall: float, name: str, signal: str | None) -> dict:
+def summarize(
+    trainer, history: list[dict], wall: float, name: str, signal: str | None, build_s=None
+) -> dict:
+    """`wall`: this session's seconds from the first step on; `build_s`: the C++ build's
+    before it (None: none was needed)."""
     cfg = trainer.cfg
     summary = {
         "loss": name,
@@ -23,6 +27,7 @@ def summarize(trainer, history: list[dict], wall: float, name: str, signal: str 
         "steps_planned": cfg.steps,
         "interrupted_by": signal,
         "wall_s": round(wall, 1),
+        "cpp_build_s": None if build_s is None else round(build_s, 1),
         "total_time_s": round(history[-1]["time_s"], 1) if history else 0.0,
         "chance_reward": None if trainer.chance is None else round(trainer.chance, 4),
         "final_checkpoint": str(Path(cfg.out_dir) / run_dir.FINAL),
@@ -43,20 +48,25 @@ def write_plots(out: Path, history: list[dict], title: str, chance: float | None
     try:
         from .plots import plot_training
 
-        plot_training(history, out / "training.png", title, chance)
+        with writes.writing(out / "training.png"):
+            plot_training(history, out / "training.png", title, chance)
     except ImportError:
         print("fgrpo train: matplotlib is not installed; no training.png", file=sys.stderr)
         return None
     return str(out / "training.png")
 
 
-def finish(trainer, history: list[dict], wall: float, name: str, signal: str | None) -> dict:
+def finish(
+    trainer, history: list[dict], wall: float, name: str, signal: str | None, build_s=None
+) -> dict:
     out = Path(trainer.cfg.out_dir)
-    summary = summarize(trainer, history, wall, name, signal)
+    summary = summarize(trainer, history, wall, name, signal, build_s)
     run_dir.write_json(out / "summary.json", summary)
     plot = write_plots(out, history, f"fgrpo train: {name}", trainer.chance) if history else None
     done = trainer.step_count - trainer.start_step
     line = f"{name}: {done} steps in {wall:.0f} s"
+    if build_s is not None:
+        line += f" (after {build_s:.0f} s building the C++ CPU backend)"
     if trainer.start_step:
         line += f" (steps {trainer.start_step + 1}-{trainer.step_count}, resumed)"
     if signal:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..core.reference import group_normalize
-from . import checkpoint, evaluation, hf, parallel, run_dir, scoring
+from . import checkpoint, evaluation, hf, parallel, report, run_dir, scoring
 from .config import TrainConfig
 from .data import PromptSampler, as_rows
 from .hf import Preferences, Rollout
@@ -312,13 +312,28 @@ class Trainer:
         every rank stops after the same step); metrics go to out_dir/metrics.jsonl, one line per
         step, and out_dir/final is a resumable checkpoint. Returns the records of every step
         of the run, earlier sessions included (the same on every rank; `callback` is called on
-        every rank)."""
+        every rank). With `cfg.save_total_limit` only the newest checkpoints stay; with
+        `cfg.report_to` every record also goes to TensorBoard or W&B (`report.py`)."""
         cfg, main = self.cfg, self.ranks.main
         out = Path(cfg.out_dir)
         history, spent = checkpoint.begin(self, out)
         self.start_step = self.step_count
-        start = time.perf_counter()
+        reporter = report.NoReport()
+        if main:
+            reporter = report.open_report(cfg.report_to, out, self.step_count, cfg.to_dict())
         bar = _progress(cfg, self.step_count) if main else None
+        try:
+            self._steps(out, history, spent, bar, reporter, callback)
+        finally:
+            if bar is not None:
+                bar.close()
+            reporter.close()
+        self.save(out / run_dir.FINAL)
+        return history
+
+    def _steps(self, out: Path, history: list[dict], spent: float, bar, reporter, callback):
+        cfg, main = self.cfg, self.ranks.main
+        start = time.perf_counter()
         stop = self.ranks.any(self.stop_requested)
         while self.step_count < cfg.steps and not stop:
             record = self.step()
@@ -328,6 +343,7 @@ class Trainer:
             record["time_s"] = spent + time.perf_counter() - start
             if main:
                 run_dir.append_metrics(out, record)
+                reporter.log(record)
             history.append(record)
             if bar is not None:
                 bar.set_postfix(_postfix(record), refresh=False)
@@ -336,11 +352,9 @@ class Trainer:
                 callback(record)
             if cfg.save_every and self.step_count % cfg.save_every == 0:
                 self.save(out / f"{run_dir.CHECKPOINT}{self.step_count}")
+                if main and cfg.save_total_limit:  # after the new one is whole
+                    run_dir.rotate(out, cfg.save_total_limit)
             stop = self.ranks.any(self.stop_requested)
-        if bar is not None:
-            bar.close()
-        self.save(out / run_dir.FINAL)
-        return history
 
 
 def _progress(cfg: TrainConfig, done: int):

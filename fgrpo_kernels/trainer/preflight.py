@@ -13,6 +13,7 @@ from pathlib import Path
 from . import data as data_mod
 from . import rewards as rewards_mod
 
+INSTALL = {"wandb": "pip install wandb"}  # the rest come with the train extra
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -32,12 +33,12 @@ def check_packages(opts: dict) -> None:
     need = [("transformers", "model")]
     if opts["lora_r"]:
         need.append(("peft", "lora_r"))
+    if opts["report_to"] != "none":
+        need.append((opts["report_to"], "report_to"))
     for package, arg in need:
         if importlib.util.find_spec(package) is None:
-            raise ValueError(
-                f"{arg}: fgrpo train needs the {package} package "
-                "(pip install 'fgrpo-kernels[train]')"
-            )
+            install = INSTALL.get(package, "pip install 'fgrpo-kernels[train]'")
+            raise ValueError(f"{arg}: fgrpo train needs the {package} package ({install})")
 
 
 def device(name: str, local_rank: int | None = None) -> str:

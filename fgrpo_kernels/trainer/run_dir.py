@@ -6,8 +6,10 @@
     DIR/checkpoint-N/        model + tokenizer (save_pretrained) and trainer_state.pt
     DIR/final/               the same at the end of the run or at an interrupt
     DIR/summary.json, DIR/training.png
+    DIR/.lock                held by the process that trains in DIR (`lock.py`)
 
-A data-parallel run calls these functions on rank 0 only.
+Every write goes through `writes.py` (a full disk stops the run with the file's name and
+leaves nothing half-written). A data-parallel run calls these functions on rank 0 only.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import json
 import re
 import shutil
 from pathlib import Path
+
+from . import lock, writes
 
 CHECKPOINT = "checkpoint-"
 FINAL = "final"
@@ -37,6 +41,12 @@ def check_out_dir(out: str | Path, resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise ValueError("resume: --resume continues the run in --out, --overwrite deletes it")
     if resume:
+        if latest_checkpoint(out) is None and (out / "run.json").exists():
+            raise ValueError(
+                f"resume: the run in {str(out)!r} never saved a checkpoint (it was stopped "
+                f"before its first --save-every step and before final/); start it again with "
+                f"the same command and --overwrite instead of --resume"
+            )
         if latest_checkpoint(out) is None:
             raise ValueError(
                 f"resume: no checkpoint in {str(out)!r} (a run writes checkpoint-N/ every "
@@ -45,7 +55,7 @@ def check_out_dir(out: str | Path, resume: bool, overwrite: bool) -> None:
         if not (out / "run.json").exists():
             raise ValueError(f"resume: {str(out)!r} has no run.json; it was not written by fgrpo")
         return
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
+    if out.is_dir() and any(p.name != lock.NAME for p in out.iterdir()) and not overwrite:
         raise ValueError(
             f"out: {str(out)!r} is not empty; pass --resume to continue the run in it or "
             f"--overwrite to replace it"
@@ -85,22 +95,51 @@ def latest_checkpoint(out: str | Path) -> Path | None:
 def save_checkpoint(path: Path, model, tokenizer, state: dict, weights: dict | None = None) -> None:
     """Model and tokenizer (save_pretrained; `weights`: the model's full state dict when its
     own is sharded) plus the trainer state, written to a temporary folder and renamed into
-    place, so that an interrupted save never leaves half a checkpoint."""
+    place, so that an interrupted or failed save never leaves half a checkpoint (a failed one
+    is removed, to give the space back, and raises `writes.RunFolderError`)."""
     import torch
 
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
-    tokenizer.save_pretrained(tmp)
-    torch.save(state, tmp / STATE)
-    (tmp / STATE_JSON).write_text(json.dumps({"step": state["step"]}) + "\n")
+    try:
+        with writes.writing(tmp):
+            model.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
+            tokenizer.save_pretrained(tmp)
+        # NB: into a file object, so that a full disk surfaces as the OSError (ENOSPC) behind
+        # torch's RuntimeError; given a path, torch only says "unexpected pos"
+        with writes.writing(tmp / STATE), open(tmp / STATE, "wb") as f:
+            torch.save(state, f)
+        with writes.writing(tmp / STATE_JSON):
+            (tmp / STATE_JSON).write_text(json.dumps({"step": state["step"]}) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = path.with_name(path.name + ".old")
     if path.exists():
         path.rename(old)
     tmp.rename(path)
     if old.exists():
-        shutil.rmtree(old)
+        _remove_checkpoint(old)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Unmark it first (trainer_state.json), so that a kill halfway through leaves a folder
+    that `latest_checkpoint` skips, never a half checkpoint it would pick."""
+    (path / STATE_JSON).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def rotate(out: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoint-N/ (by step; final/ is never counted nor
+    deleted); the caller runs it after a new checkpoint is completely written. Returns the
+    deleted folders."""
+    named = [p for p in Path(out).iterdir() if re.fullmatch(rf"{CHECKPOINT}\d+", p.name)]
+    found = sorted((checkpoint_step(p) or -1, p) for p in named)
+    doomed = [p for _, p in found[: max(len(found) - keep, 0)]]
+    for path in doomed:
+        _remove_checkpoint(path)
+    return doomed
 
 
 def load_state(path: Path) -> dict:
@@ -110,8 +149,7 @@ def load_state(path: Path) -> dict:
 
 
 def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+    writes.replace_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def read_json(path: Path):
@@ -121,7 +159,7 @@ def read_json(path: Path):
 def start_metrics(out: Path, config: dict) -> None:
     """A fresh run: the config, and an empty metrics log."""
     write_json(out / "train_config.json", config)
-    (out / METRICS).write_text("")
+    writes.replace_text(out / METRICS, "")
 
 
 def resume_metrics(out: Path, step: int) -> list[dict]:
@@ -134,15 +172,13 @@ def resume_metrics(out: Path, step: int) -> list[dict]:
         if line.strip():
             (keep if json.loads(line)["step"] <= step else drop).append(line)
     if drop:
-        with open(out / ROLLED_BACK, "a") as f:
-            f.write("\n".join(drop) + "\n")
-        path.write_text("".join(line + "\n" for line in keep))
+        writes.append_line(out / ROLLED_BACK, "\n".join(drop))
+        writes.replace_text(path, "".join(line + "\n" for line in keep))
     return [json.loads(line) for line in keep]
 
 
 def append_metrics(out: Path, record: dict) -> None:
-    with open(out / METRICS, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    writes.append_line(out / METRICS, json.dumps(record))
 
 
 def read_metrics(out: Path) -> list[dict]:

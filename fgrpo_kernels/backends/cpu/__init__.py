@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
 from types import ModuleType
 
@@ -33,6 +34,15 @@ def _summary(error: Exception) -> str:
         if re.search(r"error:|not found|No such file|cannot", line):
             return line[:200]
     return (lines[-1] if lines else type(error).__name__)[:200]
+
+
+def cpp_build_seconds() -> float | None:
+    """Seconds this process spent building the C++ backend (None: no build)."""
+    if "fgrpo_kernels.backends.cpu.cpp" not in sys.modules:
+        return None
+    from . import cpp
+
+    return cpp.build_seconds()
 
 
 def backend_module() -> ModuleType:

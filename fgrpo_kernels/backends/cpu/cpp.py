@@ -164,6 +164,7 @@ def _build_and_load() -> None:
             verbose=False,
         )
         seconds = time.perf_counter() - start
+        _state["built_s"] = seconds
         marker.write_text(json.dumps({**info, "seconds": round(seconds, 1)}, indent=1) + "\n")
         outcome = "done in"
     finally:
@@ -241,6 +242,11 @@ def available() -> bool:
         except Exception as error:  # noqa: BLE001 - any build failure means: use the fallback
             _state["error"] = error
     return _state["error"] is None
+
+
+def build_seconds() -> float | None:
+    """How long this process spent building the library (None: it was loaded, not built)."""
+    return _state.get("built_s")
 
 
 def build_error() -> Exception | None:
