@@ -8,7 +8,7 @@ from ..core import validation as check
 from ..core.options import FGRPOOptions, Level, Reduction
 from ..head.autograd import EpilogueFunction
 from ..head.batch import Batch
-from . import epilogue, metrics, single_pass
+from . import epilogue, metrics, rollout, single_pass
 from .pipeline import FusedLoss, LossStep
 
 
@@ -118,6 +118,8 @@ class FusedLinearFGRPOLoss(FusedLoss):
     old log-probs default to the current ones, detached). `vllm_is_ratio` (forward) ρ weights
     each unit's cost; `entropy_coef` c subtracts c·(masked mean entropy), with its gradient.
     `return_entropy=True` (forward) also returns the per-token entropy [B, T], differentiable.
+    `rollout_correction`: as FusedLinearGRPOLoss's (forward: `old_per_token_logps` and
+    `rollout_per_token_logps`); its IS weights are the ρ above, per sequence at sequence level.
     """
 
     def __init__(
@@ -139,10 +141,12 @@ class FusedLinearFGRPOLoss(FusedLoss):
         vocab_parallel=None,
         process_group=None,
         max_chunk_bytes=None,
+        rollout_correction=None,
         **more_head,
     ):
         head = (temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
         super().__init__(*head, max_chunk_bytes, **more_head)
+        self.rollout_correction = rollout.parse(rollout_correction)
         self.opts = FGRPOOptions.parse(
             divergence,
             beta,
@@ -174,6 +178,7 @@ class FusedLinearFGRPOLoss(FusedLoss):
         ref_bias=None,
         vllm_is_ratio=None,
         return_entropy=False,
+        rollout_per_token_logps=None,
     ):
         batch = self.batch(hidden, weight, completion_ids, completion_mask, bias)
         B, T, opts = batch.B, batch.T, self.opts
@@ -181,6 +186,10 @@ class FusedLinearFGRPOLoss(FusedLoss):
         if advantages is not None and rewards is not None and not opts.group_is_weights:
             raise ValueError("advantages: expected exactly one of advantages or rewards; got both")
         check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
+        batch, vllm_is_ratio, corrections = rollout.corrected(
+            self.rollout_correction, batch, old_per_token_logps, rollout_per_token_logps,
+            vllm_is_ratio, per_token=opts.level == Level.TOKEN,
+        )  # fmt: skip
         ref = batch.required_reference(
             self.head, ref_per_token_logps, ref_hidden, ref_weight, ref_bias
         )
@@ -194,4 +203,4 @@ class FusedLinearFGRPOLoss(FusedLoss):
             vllm_is_ratio,
             return_entropy,
         )
-        return self.run(batch, step)
+        return rollout.with_metrics(self.run(batch, step), corrections)

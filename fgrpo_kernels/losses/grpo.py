@@ -11,7 +11,7 @@ from ..core.options import GRPOOptions
 from ..head.autograd import EpilogueFunction
 from ..head.batch import Batch
 from ..head.options import split
-from . import epilogue, metrics, single_pass
+from . import epilogue, metrics, rollout, single_pass
 from .pipeline import FusedLoss, LossStep
 
 
@@ -125,8 +125,12 @@ class FusedLinearGRPOLoss(FusedLoss):
     and `sapo_temperature_pos/neg`, `vespo_k_pos/neg`, `vespo_lambda_pos/neg` (None: TRL's
     defaults); unknown names are a TypeError. Forward takes the rollout engine's IS ratio
     `vllm_is_ratio` [B, T], [B, 1] or [B]; `return_entropy=True` returns (loss, metrics,
-    entropy [B, T]) with the entropy differentiable. `compiled` and `chunk_size` are accepted
-    for Liger compatibility and have no effect here.
+    entropy [B, T]) with the entropy differentiable. `rollout_correction` (a
+    `RolloutCorrection` or a dict of verl's, OpenRLHF's or TRL's names; docs/math.md "Rollout
+    correction") takes the IS weights and rejection masks from the old and the sampler's
+    log-probs (forward: `old_per_token_logps`, `rollout_per_token_logps`): the weights multiply
+    the policy term as `vllm_is_ratio` does, the rejected tokens leave the mask. `compiled`
+    and `chunk_size` are accepted for Liger compatibility and have no effect here.
     """
 
     def __init__(
@@ -147,12 +151,14 @@ class FusedLinearGRPOLoss(FusedLoss):
         vocab_parallel=None,
         process_group=None,
         max_chunk_bytes=None,
+        rollout_correction=None,
         **options,
     ):
         head = (temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
         more_head, options = split(options)  # a newer HeadOptions field by keyword
         super().__init__(*head, max_chunk_bytes, **more_head)
         self.use_ref_model = bool(use_ref_model)
+        self.rollout_correction = rollout.parse(rollout_correction)
         self.opts = GRPOOptions.parse(
             loss_type,
             beta,
@@ -193,6 +199,7 @@ class FusedLinearGRPOLoss(FusedLoss):
         num_items_in_batch=None,
         sampling_per_token_logps=None,
         return_entropy=False,
+        rollout_per_token_logps=None,
     ):
         batch = self.batch(hidden, weight, completion_ids, completion_mask, bias)
         B, T = batch.B, batch.T
@@ -201,6 +208,10 @@ class FusedLinearGRPOLoss(FusedLoss):
         check.optional_per_token("sampling_per_token_logps", sampling_per_token_logps, B, T)
         check.is_ratio("vllm_is_ratio", vllm_is_ratio, B, T)
         check.num_items_in_batch(num_items_in_batch)
+        batch, vllm_is_ratio, corrections = rollout.corrected(
+            self.rollout_correction, batch, old_per_token_logps, rollout_per_token_logps,
+            vllm_is_ratio,
+        )  # fmt: skip
         ref = None
         if self.opts.beta != 0.0 and self.use_ref_model:
             ref = batch.required_reference(
@@ -222,4 +233,4 @@ class FusedLinearGRPOLoss(FusedLoss):
             num_items_in_batch,
             return_entropy,
         )
-        return self.run(batch, step)
+        return rollout.with_metrics(self.run(batch, step), corrections)
