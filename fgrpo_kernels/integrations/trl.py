@@ -160,17 +160,16 @@ class FusedLossMixin:
             off_policy_mask_threshold=self.off_policy_mask_threshold, **params,
         )  # fmt: skip
 
-    def _compute_loss(self, model, inputs):
+    def _fgrpo_hidden(self, model, inputs, aux=False):
+        """(backbone output, hidden [B, T, H] predicting the completion tokens, lm_head weight,
+        bias, the loss mask, mode, TRL's accumulation divisor)."""
         if any(inputs.get(k) is not None for k in _MULTIMODAL):
             raise NotImplementedError("pixel_values: multimodal inputs are not supported")
         if inputs["advantages"].dim() != 1:
             raise NotImplementedError("advantages: per-token advantages are not supported")
-        if self.loss_type == "gift":
-            inputs = glue.groups_contiguous(inputs, self.num_generations)
         ids, cmask = inputs["completion_ids"], inputs["completion_mask"]
         mask = cmask if "tool_mask" not in inputs else cmask * inputs["tool_mask"]
         T = ids.size(1)
-        aux = getattr(self, "aux_loss_enabled", False)
         with self.accelerator.autocast():
             out = model(
                 input_ids=torch.cat([inputs["prompt_ids"], ids], 1),
@@ -185,6 +184,14 @@ class FusedLossMixin:
             hidden = hidden.to(weight.dtype)
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        return out, hidden, weight, bias, mask, mode, accum
+
+    def _compute_loss(self, model, inputs):
+        if self.loss_type == "gift" and inputs["advantages"].dim() == 1:
+            inputs = glue.groups_contiguous(inputs, self.num_generations)
+        aux = getattr(self, "aux_loss_enabled", False)
+        out, hidden, weight, bias, mask, mode, accum = self._fgrpo_hidden(model, inputs, aux)
+        ids, cmask = inputs["completion_ids"], inputs["completion_mask"]
         ref, adv = inputs.get("ref_per_token_logps"), inputs["advantages"]
         if self.loss_type == "fgrpo":
             ratio = inputs.get("importance_sampling_ratio") if self._fgrpo_vllm_is() else None
