@@ -11,10 +11,17 @@ import pytest
 import torch
 
 from fgrpo_kernels import reference
-from fgrpo_kernels.benchmarks import measure
+from fgrpo_kernels.benchmarks import measure, report
+from fgrpo_kernels.benchmarks import oracle as bench_oracle
 from fgrpo_kernels.benchmarks.peers import PEERS
 from fgrpo_kernels.benchmarks.presets import PRESETS, Case, Policy
-from fgrpo_kernels.benchmarks.workload import FGRPO_BETA, GRPO_BETA, Workload, run_step
+from fgrpo_kernels.benchmarks.workload import (
+    FGRPO_BETA,
+    GRPO_BETA,
+    VARIANT_WORKLOADS,
+    Workload,
+    run_step,
+)
 
 # peer: the module its adapter imports (skipped where the peer is not installed)
 NEEDS = {
@@ -266,7 +273,9 @@ def test_quick_preset_lists_every_peer_and_ours_to_65536():
         "gemm", "eager", "compile", "liger", "cce", "trl", "verl", "ours", "ours_two_pass"
     }  # fmt: skip
     assert max(c.tokens for c in cases if c.impl == "ours") == 65536
-    assert {c.workload for c in cases if c.impl == "ours"} == {"logprobs", "grpo"}
+    assert {c.workload for c in cases if c.impl == "ours"} == {
+        "logprobs", "grpo", *VARIANT_WORKLOADS
+    }  # fmt: skip
     assert PRESETS["cpu-quick"].policy.max_mem_gib is not None  # oom rows, not swapping
 
 
@@ -305,3 +314,34 @@ def test_train_step_variants_compute_one_loss(vllm_is, bias_kl):
     for impl in ("trl_liger", "ours"):
         assert losses[impl] == pytest.approx(losses["trl"], rel=1e-5), losses
         torch.testing.assert_close(grads[impl], grads["trl"], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("workload", VARIANT_WORKLOADS)
+def test_each_policy_variant_row_passes_the_oracle(monkeypatch, workload):
+    """Our row of every policy variant equals the variant's float64 reference on the bench's
+    tensors (old = the reference log-probs), and GRPO's step in its place fails the check."""
+    monkeypatch.setenv("FGRPO_BACKEND", "cpu")
+    case = Case("ours", workload, "fwd+bwd", 96, 97, 16, "float32", "cpu", generations=4)
+    w = Workload.make(case)
+    ok, errors, note = bench_oracle.check(PEERS["ours"].step(workload, "cpu"), w, workload,
+                                    "fwd+bwd", "float32")  # fmt: skip
+    assert ok, note
+    assert set(errors) == ({"out"} if workload in bench_oracle.VALUES_ONLY else
+                           {"out", "dhidden", "dweight"})  # fmt: skip
+    wrong, _, _ = bench_oracle.check(PEERS["ours"].step("grpo", "cpu"), w, workload, "fwd+bwd",
+                               "float32")  # fmt: skip
+    assert not wrong
+    assert PEERS["ours"].floor_k(workload, "fwd+bwd", "cpu") == 8  # two-pass: recomputes
+
+
+def test_variant_ratios_divide_by_the_grpo_row_of_the_same_size():
+    base = {"impl": "ours", "status": "ok", "pass": "fwd+bwd", "tokens": 4096, "batch": 8,
+            "vocab": 32768, "hidden": 128, "dtype": "float32"}  # fmt: skip
+    rows = [
+        {**base, "workload": "grpo", "time_ms": 100.0, "peak_mem_mib": 40.0},
+        {**base, "workload": "policy:gmpo", "time_ms": 110.0, "peak_mem_mib": 20.0},
+        {**base, "workload": "policy:m2po", "tokens": 1024, "time_ms": 5.0, "peak_mem_mib": 1.0},
+    ]
+    (line,) = report.variant_ratios(rows)  # m2po has no GRPO row of its size
+    assert line.startswith("`policy:gmpo` / `grpo` (fwd+bwd, N=4096")
+    assert "time 1.1" in line and "memory 0.5" in line

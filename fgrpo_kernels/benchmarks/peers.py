@@ -41,7 +41,7 @@ import torch
 import fgrpo_kernels
 from fgrpo_kernels.core import reference
 
-from .workload import EPS, FGRPO_BETA, GRPO_BETA, Workload
+from .workload import EPS, FGRPO_BETA, GRPO_BETA, VARIANT_OPTIONS, Workload
 
 LogProbs = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Step = Callable[[Workload], torch.Tensor]
@@ -199,6 +199,22 @@ def _ours_fgrpo(max_chunk_bytes: int | None) -> Build:
     return build
 
 
+def _ours_variant(mode: str) -> Build:
+    def build(device: str) -> Step:
+        from fgrpo_kernels.losses.policy import FusedLinearPolicyLoss
+
+        loss = FusedLinearPolicyLoss(mode, **VARIANT_OPTIONS[mode])
+        return lambda w: loss(
+            w.hidden, w.weight, w.ids, w.mask, w.advantages, old_per_token_logps=w.ref_logps,
+            **w.variant_inputs(mode),
+        )[0]  # fmt: skip
+
+    return build
+
+
+OURS_VARIANTS = {f"policy:{mode}": _ours_variant(mode) for mode in VARIANT_OPTIONS}
+
+
 def _no_recompute(*workloads: str) -> Callable[[str, str], bool]:
     return lambda workload, device: workload in workloads
 
@@ -212,7 +228,8 @@ def _ours_saves(workload: str, device: str) -> bool:
     budget of the device is above 0; its log-prob primitive recomputes the logits."""
     from fgrpo_kernels.losses import single_pass
 
-    return workload != "logprobs" and single_pass.DEFAULT_BYTES[device] > 0
+    # the variants run the two-pass path (no single pass for them yet)
+    return workload in ("grpo", "fgrpo") and single_pass.DEFAULT_BYTES[device] > 0
 
 
 @dataclass(frozen=True)
@@ -319,7 +336,8 @@ PEERS: dict[str, Peer] = {
     ),
     "ours": Peer(
         lambda d: fgrpo_kernels.fused_linear_logprobs, _ours_backend,
-        {"grpo": _ours_grpo(None), "fgrpo": _ours_fgrpo(None)}, keeps_grad=_ours_saves,
+        {"grpo": _ours_grpo(None), "fgrpo": _ours_fgrpo(None), **OURS_VARIANTS},
+        keeps_grad=_ours_saves,
     ),
     "ours_two_pass": Peer(
         None, _ours_backend, {"grpo": _ours_grpo(0), "fgrpo": _ours_fgrpo(0)},

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .workload import PASSES
+from .workload import PASSES, VARIANT_WORKLOADS
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,8 @@ CPU_QUICK = Preset(
             liger=4096,
             ours_two_pass=16384,
         ),
+        # every policy variant beside our GRPO loss (report.md: variant / grpo ratios)
+        *(e for v in VARIANT_WORKLOADS for e in matrix(v, "fwd+bwd", ("ours",), ours=16384)),
     ),  # fmt: skip
     policy=Policy(warmup_small=True, repeats=3, min_time_s=2.0, timeout_s=240.0, max_mem_gib=5.0),
     note="V 32,768 (V 151,936 would cost 4.6x the time per case on 2 cores)",

@@ -159,6 +159,11 @@ def markdown(rows: list[dict]) -> str:
     if wrong:
         lines += ["", f"{len(wrong)} row(s) `wrong`: they failed the float64 oracle check and "
                   "were not timed."]  # fmt: skip
+    variants = variant_ratios(rows)
+    if variants:
+        lines += ["", "Policy variants / our GRPO dapo loss at the same size (time, peak "
+                  "memory; > 1: the variant costs more):", ""]  # fmt: skip
+        lines += [f"- {s}" for s in variants]
     summary = ratios([r for r in rows if r["workload"] != "gemm"])
     if summary:
         lines += ["", "Ratios ours / peer at the largest N where both ran (< 1: ours is less):", ""]
@@ -171,6 +176,25 @@ def largest_common(rows: list[dict], impl: str, base: str = "ours") -> tuple[dic
     ok = {(r["impl"], r["tokens"]): r for r in rows if r["status"] == "ok"}
     both = [n for (i, n) in ok if i == impl and (base, n) in ok]
     return (ok[(base, max(both))], ok[(impl, max(both))]) if both else None
+
+
+def variant_ratios(rows: list[dict]) -> list[str]:
+    """'policy:MODE / grpo (pass, N, B, V, H, dtype): time x, memory y' for every variant row
+    that has an ok `ours` GRPO row of the same size beside it."""
+    ok = [r for r in rows if r["status"] == "ok" and r["impl"] == "ours"]
+    size = lambda r: (r["pass"], r["tokens"], r["batch"], r["vocab"], r["hidden"], r["dtype"])  # noqa: E731
+    grpo = {size(r): r for r in ok if r["workload"] == "grpo"}
+    out = []
+    for r in ok:
+        base = grpo.get(size(r))
+        if r["workload"].startswith("policy:") and base is not None:
+            p, n, b, v, h, dtype = size(r)
+            out.append(
+                f"`{r['workload']}` / `grpo` ({p}, N={n}, B={b}, V={v}, H={h}, {dtype}): "
+                f"time {_ratio(r['time_ms'], base['time_ms'])}, "
+                f"memory {_ratio(r['peak_mem_mib'], base['peak_mem_mib'])}"
+            )
+    return out
 
 
 def ratios(rows: list[dict]) -> list[str]:

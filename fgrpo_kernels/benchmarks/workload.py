@@ -6,7 +6,10 @@ every token unmasked. Workloads ("what" of a case):
 
 - `logprobs`: per-token log-probs [B, T] of the target ids; backward takes `grad_logp`;
 - `grpo`: GRPO "dapo" loss (β 0.04, ε 0.2, TRL/Liger semantics) on those log-probs;
-- `fgrpo`: token-level Pearson f-GRPO loss (β 0.1).
+- `fgrpo`: token-level Pearson f-GRPO loss (β 0.1);
+- `policy:MODE`: a policy-loss variant (`FusedLinearPolicyLoss(MODE)`, the source's defaults;
+  `VARIANT_OPTIONS`), with the reference log-probs as the old ones (so ratios differ from 1)
+  and, for clip_cov, a random keep mask drawn up front (verl draws it inside its loss).
 
 Passes: `fwd` (no autograd graph), `fwd+bwd` (gradients of hidden and weight),
 `fwd+bwd-frozen` (the lm_head takes no gradient, as with a frozen head or PEFT).
@@ -21,14 +24,22 @@ import torch
 
 import fgrpo_kernels
 
-WORKLOADS = ("logprobs", "grpo", "fgrpo")
+# the policy-loss variants' workloads, each with the options its source has no default for
+VARIANT_OPTIONS = {
+    "gmpo": {}, "gspo_token": {}, "vanilla": {}, "gspo": {}, "geo_mean": {}, "gpg": {},
+    "dro": {"dro_beta": 0.1}, "dppo_tv": {}, "dppo_kl": {}, "clip_cov": {}, "kl_cov": {},
+    "m2po": {},
+}  # fmt: skip
+VARIANT_WORKLOADS = tuple(f"policy:{mode}" for mode in VARIANT_OPTIONS)
+WORKLOADS = ("logprobs", "grpo", "fgrpo", *VARIANT_WORKLOADS)
 PASSES = ("fwd", "fwd+bwd", "fwd+bwd-frozen")
 GRPO_BETA, EPS, FGRPO_BETA = 0.04, 0.2, 0.1
 
 
 @dataclass
 class Workload:
-    """hidden [B, T, H], weight [V, H]; ids, mask, ref_logps, grad_logp [B, T]; advantages [B]."""
+    """hidden [B, T, H], weight [V, H]; ids, mask, ref_logps, grad_logp, clip_cov_keep [B, T];
+    advantages [B]."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -37,6 +48,11 @@ class Workload:
     advantages: torch.Tensor
     ref_logps: torch.Tensor
     grad_logp: torch.Tensor
+    clip_cov_keep: torch.Tensor
+
+    def variant_inputs(self, mode: str) -> dict:
+        """The per-call inputs of policy variant `mode` besides the batch."""
+        return {"clip_cov_keep": self.clip_cov_keep} if mode == "clip_cov" else {}
 
     @classmethod
     def make(cls, case) -> Workload:
@@ -60,6 +76,8 @@ class Workload:
             advantages=fgrpo_kernels.group_normalize(rewards, B),
             ref_logps=-math.log(V) - 0.5 + 0.1 * torch.randn(B, T, generator=gen, device=dev),
             grad_logp=torch.randn(B, T, generator=gen, device=dev) / (B * T),
+            # last: the draws above stay those of the workloads before it
+            clip_cov_keep=(torch.rand(B, T, generator=gen, device=dev) > 2e-4).float(),
         )
 
     def prefix(self, fraction: int = 8) -> Workload:
@@ -76,7 +94,8 @@ class Workload:
     def _first(self, t: int) -> Workload:
         # NB: contiguous copies, not views: a compiled graph guards on the inputs' layout
         cut = {
-            k: getattr(self, k)[:, :t].clone() for k in ("ids", "mask", "ref_logps", "grad_logp")
+            k: getattr(self, k)[:, :t].clone()
+            for k in ("ids", "mask", "ref_logps", "grad_logp", "clip_cov_keep")
         }
         hidden = self.hidden[:, :t].detach().clone().requires_grad_(self.hidden.requires_grad)
         return Workload(hidden=hidden, weight=self.weight, advantages=self.advantages, **cut)

@@ -37,6 +37,13 @@ def k3(ref: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return sat_exp(d) - d - 1.0
 
 
+def kl_term(ref, logps, mask, opts: GRPOOptions) -> torch.Tensor:
+    """The β term's per-token estimate: k3, or the estimator `opts.kl_penalty` names."""
+    if opts.kl_penalty is None:
+        return k3(ref, logps, mask)
+    return opts.kl_penalty(logps, ref, mask)
+
+
 def log_ratio(logps, old, mask, level: Level) -> torch.Tensor:
     """log(π/π_old) per token [B, T] (0 where masked), or its masked mean per sequence [B, 1]
     (GSPO). old None → logps.detach() (ratio 1, the gradient of the ratio kept)."""
@@ -276,7 +283,7 @@ def per_token_loss(logps, old, ref, mask, advantages, opts: GRPOOptions, norms: 
         if weight is not None:
             pt = pt * weight
     if opts.beta != 0.0 and ref is not None:
-        kl = k3(ref, logps, mask)
+        kl = kl_term(ref, logps, mask, opts)
         if opts.use_bias_correction_kl:
             kl = kl * sat_exp(lr)
         pt = pt + opts.beta * kl

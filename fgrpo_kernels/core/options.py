@@ -233,6 +233,8 @@ class GRPOOptions:
     top_entropy_quantile: the policy term only on the top-q entropy tokens;
     off_policy_mask_threshold: drop sequences with a < 0 whose mean (sampling − current)
     log-prob exceeds it. The sapo_* / vespo_* fields are those loss types' own parameters.
+    kl_penalty: the β term's estimator, a `kl_estimators.KLPenalty` (None: k3, TRL's, which the
+    Triton epilogue computes in-kernel; any other runs the epilogue in PyTorch).
     """
 
     loss_type: LossType
@@ -253,6 +255,7 @@ class GRPOOptions:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    kl_penalty: object = None
 
     @property
     def spec(self) -> LossTypeSpec:
@@ -285,6 +288,8 @@ class GRPOOptions:
         """Validate every option once. `options` are GRPO_OPTIONS (absent: off) and the loss
         types' own parameters (sapo_temperature_pos, ..., vespo_lambda_neg; None or absent: the
         loss type's default; set for another loss type: a ValueError naming it)."""
+        options = dict(options)
+        kl_penalty = _kl_penalty(options.pop("kl_penalty", "k3"), options)
         for arg in options:
             if arg not in GRPO_OPTIONS and arg not in LOSS_TYPE_PARAMS:
                 raise TypeError(f"{arg}: not an option of the GRPO family")
@@ -348,8 +353,26 @@ class GRPOOptions:
         return cls(
             loss_type, beta, low, high, level, max_completion_length, delta, clip_ratio_c,
             bool(use_bias_correction_kl), check.real("entropy_coef", entropy_coef), quantile,
-            off_policy_mask_threshold, **values,
+            off_policy_mask_threshold, **values, kl_penalty=kl_penalty,
         )  # fmt: skip
+
+
+def _kl_penalty(name, options: dict):
+    """None for k3 (the default), else the KLPenalty named (kl_estimators' names, a "+" form
+    for k2's gradient); bias correction is defined for k3 only."""
+    from .kl_estimators import KLEstimator, KLPenalty
+
+    if name is None:  # as a parsed GRPOOptions holds k3
+        return None
+    penalty = KLPenalty.parse(name)
+    if penalty.estimator == KLEstimator.K3 and not penalty.k2_gradient:
+        return None
+    if options.get("use_bias_correction_kl"):
+        raise ValueError(
+            f"kl_penalty: use_bias_correction_kl corrects the k3 estimate only; got "
+            f"kl_penalty={penalty.name!r} with use_bias_correction_kl=True"
+        )
+    return penalty
 
 
 @dataclass(frozen=True)

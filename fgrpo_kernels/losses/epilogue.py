@@ -96,7 +96,8 @@ def grpo(logps, entropy, old_logps, ref_logps, mask, advantages, vllm_is_ratio, 
     """TRL/Liger GRPO family: (loss, dL/dlogps, dL/dentropy | None). old None → logps (ratio
     1); ref None → no KL; `entropy` [B, T] for the entropy mask and bonus; `norms` the batch's
     `grpo_math.Normalisers` (row scales, entropy threshold, bonus scale)."""
-    kernels = _triton(logps.device)
+    # the Triton epilogue knows k3 only: another estimator takes the PyTorch epilogue (O(N))
+    kernels = _triton(logps.device) if opts.kl_penalty is None else None
     bonus = norms.entropy_scale is not None
     if kernels is None:
         return _autograd(

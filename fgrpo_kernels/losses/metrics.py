@@ -87,7 +87,7 @@ def grpo(loss, logps, entropy, old, ref, mask, advantages, ratio, norms, opts: G
     lp = logps.detach()
     w = grpo_math.importance_ratio(lp, old, mask, opts.level)
     if opts.beta != 0.0 and ref is not None:
-        kl = grpo_math.k3(ref, lp, mask)
+        kl = grpo_math.kl_term(ref, lp, mask, opts)
         out["kl"] = grpo_math.masked_mean(kl * w if opts.use_bias_correction_kl else kl, mask)
     if norms.entropy_scale is not None:
         weights = grpo_math.bonus_mask(mask, opts, entropy, norms.entropy_threshold)
