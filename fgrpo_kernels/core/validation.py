@@ -129,9 +129,10 @@ def finite(arg: str, t: torch.Tensor | None, where: torch.Tensor | None = None) 
     (every loss selects them away with `torch.where`), and TRL's padding holds whatever the
     model scored there.
 
-    NB: one fused reduction and one host sync per tensor; on a GPU that sync is a stall of the
-    launch queue whose cost is unmeasured here (CPU-only machine). On the CPU it costs ~0.1% of
-    a loss call at N = 8192 tokens (bench/finite_checks.py)."""
+    NB: one reduction and one host sync per tensor. On a GPU that sync stalls the launch queue;
+    its cost there is unmeasured (no GPU in this project's runs). On 2 CPU cores the value
+    checks of a GRPO call (mask, advantages, reference and old log-probs; N 8192) take 0.15 ms,
+    0.02% of its forward+backward at H 128, V 32768 (bench/finite_checks.py)."""
     if t is None or t.numel() == 0:
         return
     bad = ~torch.isfinite(t.detach())
