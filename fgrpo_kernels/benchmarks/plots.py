@@ -204,7 +204,8 @@ def figure(rows: list[dict], title: str = ""):
             if row_i == 0:
                 ax.set_title(_title(key), fontsize=9)
             if col == 0:
-                ax.set_ylabel(ylabel)
+                on_cpu = metric == "time_ms" and any(r["device"] == "cpu" for r in prows)
+                ax.set_ylabel(ylabel.replace("time", "wall time", 1) if on_cpu else ylabel)
     fig.legend(handles=_legend(rows), loc="lower center", ncol=5, fontsize=8, frameon=False)
     missing = sorted({r["impl"] for r in rows if r["status"] == "unavailable"})
     note = "k×: peer ÷ ours at the largest N both ran; ×: did not finish (status beside it)."
