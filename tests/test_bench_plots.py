@@ -118,3 +118,30 @@ def test_legend_names_impls_and_missing_peers(fig):
         assert STYLE[impl][2] in labels
     assert "TRL" not in labels and "did not finish" in labels
     assert "Not installed: trl" in fig._suptitle.get_text()
+
+
+def test_ratio_labels_at_one_n_never_overlap():
+    """Three peers 1.35× apart at 16k on panels spanning 3+ decades: a gap in data units (30 %)
+    is less than a line of text there, so the labels are kept apart in display units."""
+    rows = [rec("ours", n) for n in (4096, 16384, 65536)]
+    crowd = {"trl": (10000.0, 4000.0), "cce": (7400.0, 2960.0), "verl": (5500.0, 2200.0)}
+    for impl, (ms, mib) in crowd.items():
+        r = rec("ours", 16384)
+        r.update(impl=impl, time_ms=ms, peak_mem_mib=mib)
+        rows.append(r)
+    rows[0]["time_ms"], rows[2]["time_ms"] = 100.0, 40000.0  # a time axis of 2.6 decades
+    fig_ = figure(rows)
+    fig_.canvas.draw()
+    renderer = fig_.canvas.get_renderer()
+    try:
+        for ax in fig_.axes:
+            labels = [t for t in ax.texts if (t.get_gid() or "").endswith(":ratio")]
+            assert sorted(t.get_gid() for t in labels) == ["cce:ratio", "trl:ratio", "verl:ratio"]
+            boxes = [t.get_window_extent(renderer) for t in labels]
+            for i, a in enumerate(boxes):
+                assert not any(a.overlaps(b) for b in boxes[i + 1 :]), [t.get_gid() for t in labels]
+            assert all(t.xy[0] == 16384 for t in labels)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig_)

@@ -30,6 +30,7 @@ import gc
 import json
 import multiprocessing
 import os
+import re
 import resource
 import signal
 import statistics
@@ -54,6 +55,22 @@ def is_oom(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return any(s in text for s in ("out of memory", "can't allocate memory", "not enough memory"))
+
+
+_ALLOCATION = re.compile(r"tried to allocate (\d+(?:\.\d+)?) ?(bytes|[KMGT]iB)", re.IGNORECASE)
+
+
+def oom_note(exc: BaseException) -> str:
+    """An out-of-memory error as a note whose first words say it all ("out of memory: tried to
+    allocate 4.00 GiB; RuntimeError: [enforce fail ...] DefaultCPUAllocator: ..."): the table
+    cuts notes short, and the CPU allocator's message only names the size after 100 characters."""
+    first = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    found = _ALLOCATION.search(str(exc))
+    if found is None:
+        return first if "memory" in first.lower() else f"out of memory; {first}"
+    amount, unit = found.groups()
+    size = f"{float(amount) / 2**30:.2f} GiB" if unit.lower() == "bytes" else f"{amount} {unit}"
+    return f"out of memory: tried to allocate {size}; {first}"
 
 
 def _fake_failure(case: Case) -> None:
@@ -227,6 +244,13 @@ def _unavailable(case: Case) -> str | None:
     return None
 
 
+def _failure(exc: BaseException) -> tuple[str, str]:
+    """(status, note) of a case that raised."""
+    if is_oom(exc):
+        return "oom", oom_note(exc)
+    return "error", f"{type(exc).__name__}: {exc}"
+
+
 def is_compile_error(exc: BaseException) -> bool:
     """An error raised by dynamo or inductor (or one they caused)."""
     while exc is not None:
@@ -266,7 +290,7 @@ def _measure_here(case: Case, cap_memory: bool) -> dict:
         try:
             return row(case, "ok", **vocab_parallel.measure(case), process_cpu_s=_cpu_seconds())
         except Exception as e:  # noqa: BLE001 — every failure is a data point
-            return row(case, "oom" if is_oom(e) else "error", f"{type(e).__name__}: {e}")
+            return row(case, *_failure(e))
     try:
         if case.device == "cuda":
             torch._dynamo.reset()  # in-process: no graph or recompile count leaks between cases
@@ -313,8 +337,7 @@ def _measure_here(case: Case, cap_memory: bool) -> dict:
         )
     except Exception as e:  # noqa: BLE001 — every failure is a data point
         peak = None if mem is None else mem.peak() / 2**20
-        status = "oom" if is_oom(e) else "error"
-        note = f"{type(e).__name__}: {e}"
+        status, note = _failure(e)
         out = row(case, status, note, peak_mem_mib=peak, process_cpu_s=_cpu_seconds())
         if status == "error" and is_compile_error(e):
             out["compile_failed"] = True
@@ -355,26 +378,46 @@ def _died(case: Case, code: int | None, stderr: str = "") -> dict:
 
 
 def measure_forked(case: Case) -> dict:
+    sent, code = run_forked(_child, (case, dict(os.environ)), case.policy.timeout_s)
+    if sent is not None:
+        return sent
+    if code is None:
+        return row(case, "timeout", f"no result after {case.policy.timeout_s:.0f} s")
+    return _died(case, code)
+
+
+# A child that has sent its row gets this long to exit by itself before it is killed.
+EXIT_GRACE_S = 30.0
+
+
+def run_forked(target, args: tuple, timeout_s: float):
+    """Run `target(*args, conn)` in a process forked from the preloaded server; it sends one
+    object through `conn`. Returns (that object, exit code), (None, exit code) when it died
+    without sending, or (None, None) when nothing came within `timeout_s` (it is killed).
+
+    NB: a child that sent its result is joined, not killed: its exit runs the finalizers that
+    unlink its semaphores (tqdm's lock, created in the child by torch.compile); killed at
+    once, it left them to the resource tracker, which reported them leaked at exit."""
     ctx = _server()
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(case, dict(os.environ), send), daemon=True)
+    proc = ctx.Process(target=target, args=(*args, send), daemon=True)
     proc.start()
     send.close()
+    sent = None
     try:
-        if recv.poll(case.policy.timeout_s):
-            return recv.recv()
-        if proc.is_alive():
-            return row(case, "timeout", f"no result after {case.policy.timeout_s:.0f} s")
-        proc.join()
-        return _died(case, proc.exitcode)
+        if recv.poll(timeout_s):
+            sent = recv.recv()
+            proc.join(EXIT_GRACE_S)
+        elif proc.is_alive():
+            return None, None
     except EOFError:
-        proc.join()
-        return _died(case, proc.exitcode)
+        pass
     finally:
         if proc.is_alive():
             proc.kill()
         proc.join()
         recv.close()
+    return sent, proc.exitcode
 
 
 def measure_exec(case: Case) -> dict:

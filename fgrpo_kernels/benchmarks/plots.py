@@ -74,25 +74,47 @@ def _title(key: tuple) -> str:
 
 
 def _annotate_ratios(ax, rows: list[dict], impls: list[str], metric: str, scale: float) -> None:
-    """Write peer ÷ ours beside each peer's point at the largest N both ran; labels that would
-    overlap (same N, values within ~30 %) are moved down one line each."""
-    import math
-
-    marks = []
+    """Write peer ÷ ours beside each peer's point at the largest N both ran (on a white ground,
+    readable over the lines); `separate_ratio_labels` moves them apart once the layout is set."""
     for impl in impls:
         pair = largest_common(rows, impl) if impl != "ours" else None
-        if pair is not None and pair[0][metric] and pair[1][metric]:
-            ours, peer = pair
-            marks.append((peer["tokens"], peer[metric] * scale, peer[metric] / ours[metric], impl))
-    placed: dict[int, tuple[float, float]] = {}
-    for n, y, ratio, impl in sorted(marks, key=lambda m: (m[0], -m[1])):
-        dy = -3.0
-        if n in placed and math.log10(placed[n][0] / y) < 0.12:
-            dy = placed[n][1] - 10.0
-        placed[n] = (y, dy)
-        ax.annotate(f"{ratio:.2g}×", (n, y), xytext=(7, dy), textcoords="offset points",
-                    fontsize=8, color=style(impl)[0], fontweight="bold", va="center",
-                    gid=f"{impl}:ratio")  # fmt: skip
+        if pair is None or not pair[0][metric] or not pair[1][metric]:
+            continue
+        ours, peer = pair
+        ax.annotate(f"{peer[metric] / ours[metric]:.2g}×", (peer["tokens"], peer[metric] * scale),
+                    xytext=(7, -3), textcoords="offset points", fontsize=8, va="center",
+                    color=style(impl)[0], fontweight="bold", gid=f"{impl}:ratio",
+                    bbox={"boxstyle": "square,pad=0.05", "fc": "white", "ec": "none",
+                          "alpha": 0.8})  # fmt: skip
+
+
+LABEL_GAP_PX = 1.0
+
+
+def ratio_labels(ax) -> list:
+    return [t for t in ax.texts if (t.get_gid() or "").endswith(":ratio")]
+
+
+def separate_ratio_labels(fig) -> None:
+    """Move the ratio labels at one N down, top first, until none overlaps the one above it:
+    in display units, after the layout (a gap in data units fails on a panel spanning many
+    decades, where 30 % apart is less than a line of text)."""
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        at_n: dict[float, list] = {}
+        for label in ratio_labels(ax):
+            at_n.setdefault(label.xy[0], []).append(label)
+        for labels in at_n.values():
+            labels.sort(key=lambda t: -t.get_window_extent(renderer).y1)
+            bottom = None
+            for label in labels:
+                box = label.get_window_extent(renderer)
+                if bottom is not None and box.y1 > bottom - LABEL_GAP_PX:
+                    shift = (box.y1 - bottom + LABEL_GAP_PX) * 72.0 / fig.dpi  # px → points
+                    x, y = label.xyann
+                    label.xyann = (x, y - shift)
+                    box = label.get_window_extent(renderer)
+                bottom = box.y0
 
 
 def _mark_failed(ax, n: int, y: float, impl: str, status: str) -> None:
@@ -183,7 +205,8 @@ def figure(rows: list[dict], title: str = ""):
             if row_i == 0:
                 ax.set_title(_title(key), fontsize=9)
             if col == 0:
-                ax.set_ylabel(ylabel)
+                on_cpu = metric == "time_ms" and any(r["device"] == "cpu" for r in prows)
+                ax.set_ylabel(ylabel.replace("time", "wall time", 1) if on_cpu else ylabel)
     fig.legend(handles=_legend(rows), loc="lower center", ncol=5, fontsize=8, frameon=False)
     missing = sorted({r["impl"] for r in rows if r["status"] == "unavailable"})
     note = "k×: peer ÷ ours at the largest N both ran; ×: did not finish (status beside it)."
@@ -192,6 +215,7 @@ def figure(rows: list[dict], title: str = ""):
     fig.suptitle("\n".join(head), fontsize=9)
     lines = 1 + (len(_legend(rows)) - 1) // 5
     fig.tight_layout(rect=(0, 0.01 + 0.03 * lines, 1, 1 - 0.022 * len(head)))
+    separate_ratio_labels(fig)
     return fig
 
 

@@ -122,6 +122,10 @@ def _sort_key(r: dict):
     )  # fmt: skip
 
 
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def _num(v, fmt: str) -> str:
     return "" if v is None else format(v, fmt)
 
@@ -131,7 +135,8 @@ def markdown(rows: list[dict]) -> str:
     floor = any(r["flop_floor_ratio"] is not None for r in rows)
     cpu = any(r["cpu_time_ms"] is not None for r in rows)
     train = any(r["workload"] == "train-gpu" for r in rows)
-    head = ["workload", "pass", "N", "B", "V", "H", "dtype", "impl", "status", "time ms"]
+    wall = "wall time ms" if cpu else "time ms"
+    head = ["workload", "pass", "N", "B", "V", "H", "dtype", "impl", "status", wall]
     head += ["CPU time ms"] * cpu + ["peak MiB"] + ["tokens/s"] * train
     head += ["× floor (k)"] * floor + ["backend", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -142,8 +147,7 @@ def markdown(rows: list[dict]) -> str:
         cells += [_num(r["peak_mem_mib"], ".1f")] + [_num(r["tokens_per_s"], ".0f")] * train
         ratio = _num(r["flop_floor_ratio"], ".2f")
         cells += [f"{ratio} (k {r['floor_k']})" if ratio else ""] * floor
-        note = (r["note"] or "")[:120] if r["status"] != "ok" else (r["note"] or "")[:60]
-        note = note.replace("|", "/")
+        note = _cut(r["note"] or "", 120 if r["status"] != "ok" else 60).replace("|", "/")
         cells += [r["backend"] or "", note]
         lines.append("| " + " | ".join(cells) + " |")
     rates = [
@@ -166,7 +170,9 @@ def markdown(rows: list[dict]) -> str:
         lines += [f"- {s}" for s in variants]
     summary = ratios([r for r in rows if r["workload"] != "gemm"])
     if summary:
-        lines += ["", "Ratios ours / peer at the largest N where both ran (< 1: ours is less):", ""]
+        lines += ["", "Ratios ours / peer at the largest N where both ran (< 1: ours is less; on "
+                  "CPU, wall time = median perf_counter time per step, CPU time = median process "
+                  "CPU time per step):", ""]  # fmt: skip
         lines += [f"- {s}" for s in summary]
     return "\n".join(lines) + "\n"
 
@@ -216,10 +222,20 @@ def ratios(rows: list[dict]) -> list[str]:
             workload, pass_, V, H, dtype, B = key
             out.append(
                 f"`{base}` / `{impl}` ({workload} {pass_}, N={a['tokens']}, B={B}, V={V}, H={H}, "
-                f"{dtype}): memory {_ratio(a['peak_mem_mib'], b['peak_mem_mib'])}, "
-                f"time {_ratio(a['time_ms'], b['time_ms'])}"
+                f"{dtype}): memory {_ratio(a['peak_mem_mib'], b['peak_mem_mib'])}, {_times(a, b)}"
             )
     return out
+
+
+def _times(a: dict, b: dict) -> str:
+    """The time ratios, labelled: on CPU the wall time and the process CPU time per step (the
+    second is steadier on a shared machine), on CUDA the time of the CUDA events."""
+    if a["device"] != "cpu":
+        return f"time {_ratio(a['time_ms'], b['time_ms'])}"
+    text = f"wall time {_ratio(a['time_ms'], b['time_ms'])}"
+    if a["cpu_time_ms"] is not None and b["cpu_time_ms"] is not None:
+        text += f", CPU time {_ratio(a['cpu_time_ms'], b['cpu_time_ms'])}"
+    return text
 
 
 def _ratio(a, b) -> str:

@@ -127,6 +127,7 @@ def group_normalize(rewards, num_generations, eps=1e-4, unbiased=True, scale="gr
     """Advantages from rewards [B]: a_i = (R_i − μ_g)/(σ_g + eps) ("group"), σ over the whole
     batch ("batch"), or R_i − μ_g ("none"). A group of one has σ = 0. Returns float32/64 [B]."""
     check.tensor("rewards", rewards, ndim=1, floating=True)
+    check.finite("rewards", rewards)
     check.num_generations("num_generations", num_generations, rewards.shape[0])
     check.positive("eps", eps, allow_zero=True)
     scale = parse(Scale, "scale", scale)
@@ -195,7 +196,7 @@ def fgrpo_loss(
         advantages, rewards, num_generations, B, need_rewards=group_is_weights
     )
     if group_is_weights:
-        check.tensor("old_logps", old_logps, shape=(B, T), floating=True)
+        check.per_token_logps("old_logps", old_logps, mask)
     if num_generations is not None:
         opts = dataclasses.replace(opts, num_generations=num_generations)
     return fgrpo(
@@ -290,11 +291,11 @@ def grpo_loss(
     sapo_temperature_pos/neg, vespo_k_pos/neg, vespo_lambda_pos/neg (None: TRL's defaults).
     """
     B, T = check.loss_batch(logps, None, mask)
-    check.optional_per_token("old_logps", old_logps, B, T)
-    check.optional_per_token("ref_logps", ref_logps, B, T)
+    check.optional_per_token("old_logps", old_logps, B, T, logps_of=mask)
+    check.optional_per_token("ref_logps", ref_logps, B, T, logps_of=mask)
     check.optional_per_token("sampling_logps", sampling_logps, B, T)
     check.optional_per_token("entropy", entropy, B, T)
-    check.tensor("advantages", advantages, shape=(B,), floating=True)
+    check.per_row("advantages", advantages, B)
     check.is_ratio("vllm_is_ratio", vllm_is_ratio, B, T)
     check.num_items_in_batch(num_items_in_batch)
     opts = GRPOOptions.parse(
@@ -367,7 +368,7 @@ def gift_loss(
     True holds them constant (the authors' released code).
     """
     B, _ = check.loss_batch(logps, ref_logps, mask)
-    check.tensor("rewards", rewards, shape=(B,), floating=True)
+    check.per_row("rewards", rewards, B)
     check.num_generations("num_generations", num_generations, B)
     opts = GIFTOptions.parse(num_generations, beta, eps, unbiased, detach_stats)
     return gift(logps, ref_logps, mask, rewards, opts)
@@ -418,6 +419,7 @@ def fhal_loss(
 ):
     """f-HAL = lam·FDO(preference batch) + (1 − lam)·f-GRPO(on-policy batch), one divergence/β."""
     lam = mixing_weight(lam)
+    check.loss_batch(pref_logps, pref_ref_logps, pref_mask, prefix="pref_")  # named as given here
     fdo_part = fdo_loss(pref_logps, pref_ref_logps, pref_mask, chosen, divergence, beta)
     fgrpo_part = fgrpo_loss(logps, ref_logps, advantages, mask, divergence, beta, level, reduction)
     return lam * fdo_part + (1.0 - lam) * fgrpo_part

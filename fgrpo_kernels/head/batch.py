@@ -55,6 +55,16 @@ class Batch:
         )
         return cls(hidden, weight, ids, mask, bias, B, T)
 
+    def per_token_logps(self, name: str, t):
+        """Given log-probs `name` [B, T] (reference, old, rollout): floating, finite where the
+        mask is set (masked positions never reach a loss; TRL's padding holds whatever the
+        model scored there)."""
+        return check.per_token_logps(name, t, self.mask)
+
+    def optional_logps(self, name: str, t) -> None:
+        if t is not None:
+            self.per_token_logps(name, t)
+
     def wants_grad(self) -> bool:
         return torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (self.hidden, self.weight, self.bias)
@@ -99,13 +109,14 @@ class Batch:
         (hidden, weight, bias) on this batch's ids and mask — the Liger convention for an
         in-call reference model; None when neither is given."""
         if given is not None:
-            check.tensor(name, given, shape=(self.B, self.T), floating=True)
-            return given.detach()
+            return self.per_token_logps(name, given).detach()
         if hidden is None:
             return None
+        weight_arg = "weight" if weight is None else "ref_weight"
         weight, bias = lm_head(self.weight if weight is None else weight, bias)
         check.tensor("ref_hidden", hidden, shape=(self.B, self.T, None), floating=True)
         check.tensor("ref_weight", weight, shape=(None, hidden.shape[-1]), floating=True)
+        check.head_dtypes("ref_hidden", hidden, weight_arg, weight)
         if bias is not None:
             check.tensor("ref_bias", bias, shape=(weight.shape[0],), floating=True)
         other = Batch(hidden, weight, self.ids, self.mask, bias, self.B, self.T)

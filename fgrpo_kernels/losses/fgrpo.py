@@ -185,7 +185,7 @@ class FusedLinearFGRPOLoss(FusedLoss):
         check.is_ratio("vllm_is_ratio", vllm_is_ratio, B, T, per_token=opts.level == Level.TOKEN)
         if advantages is not None and rewards is not None and not opts.group_is_weights:
             raise ValueError("advantages: expected exactly one of advantages or rewards; got both")
-        check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
+        batch.optional_logps("old_per_token_logps", old_per_token_logps)
         batch, vllm_is_ratio, corrections = rollout.corrected(
             self.rollout_correction, batch, old_per_token_logps, rollout_per_token_logps,
             vllm_is_ratio, per_token=opts.level == Level.TOKEN,

@@ -81,7 +81,7 @@ class FusedLinearGIFTLoss(FusedLoss):
         ref_bias=None,
     ):
         batch = self.batch(hidden, weight, completion_ids, completion_mask, bias)
-        check.tensor("rewards", rewards, shape=(batch.B,), floating=True)
+        check.per_row("rewards", rewards, batch.B)
         check.num_generations("num_generations", self.opts.num_generations, batch.B)
         ref = batch.required_reference(
             self.head, ref_per_token_logps, ref_hidden, ref_weight, ref_bias

@@ -203,8 +203,8 @@ class FusedLinearGRPOLoss(FusedLoss):
     ):
         batch = self.batch(hidden, weight, completion_ids, completion_mask, bias)
         B, T = batch.B, batch.T
-        check.tensor("advantages", advantages, shape=(B,), floating=True)
-        check.optional_per_token("old_per_token_logps", old_per_token_logps, B, T)
+        check.per_row("advantages", advantages, B)
+        batch.optional_logps("old_per_token_logps", old_per_token_logps)
         check.optional_per_token("sampling_per_token_logps", sampling_per_token_logps, B, T)
         check.is_ratio("vllm_is_ratio", vllm_is_ratio, B, T)
         check.num_items_in_batch(num_items_in_batch)

@@ -248,7 +248,8 @@ class FusedLinearPolicyLoss(FusedLoss):
                 f"advantages: expected [B] or [B, T] = [{B}] or [{B}, {T}]; got "
                 f"{list(advantages.shape)}"
             )
-        check.optional_per_token("old_per_token_logps", old, B, T)
+        check.finite("advantages", advantages, None if advantages.dim() == 1 else batch.mask)
+        batch.optional_logps("old_per_token_logps", old)
         unknown = [k for k in inputs if k not in PER_CALL or not self.variant.takes(k)]
         if unknown:
             takes = [k for k in PER_CALL if self.variant.takes(k)]
@@ -257,4 +258,4 @@ class FusedLinearPolicyLoss(FusedLoss):
                 f"expected one of {', '.join(takes) or 'none'}"
             )
         if self.rollout_correction is not None:
-            check.tensor("rollout_per_token_logps", rollout, shape=(B, T), floating=True)
+            batch.per_token_logps("rollout_per_token_logps", rollout)

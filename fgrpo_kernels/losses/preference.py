@@ -159,9 +159,7 @@ class FusedLinearFHALLoss(FusedLinearFGRPOLoss):
             pref_hidden, weight, pref_completion_ids, pref_completion_mask, bias, "pref_"
         )
         _pools(self, chosen, pref.B)
-        check.optional_per_token(
-            "pref_ref_per_token_logps", pref_ref_per_token_logps, pref.B, pref.T
-        )
+        pref.optional_logps("pref_ref_per_token_logps", pref_ref_per_token_logps)
         on_policy, m_on = super().forward(
             hidden, weight, completion_ids, completion_mask, advantages=advantages,
             rewards=rewards, ref_per_token_logps=ref_per_token_logps, bias=bias,

@@ -51,6 +51,7 @@ def corrected(opts: RolloutCorrection | None, batch: Batch, old, rollout, ratio,
     if ratio is not None:
         raise ValueError("vllm_is_ratio: pass vllm_is_ratio or rollout_correction, not both")
     check.tensor("rollout_per_token_logps", rollout, shape=(B, T), floating=True)
+    batch.per_token_logps("rollout_per_token_logps", rollout)  # finite where the mask is set
     old = old.detach()
     weights, mask, metrics = rollout_correction(old, old, rollout.detach(), batch.mask, opts)
     ratio = weights if opts.applies_weights else None
