@@ -137,6 +137,16 @@ class KLPenalty:
         return k2 - k2.detach() + value.detach()
 
 
+def with_parsed_penalty(options: dict) -> dict:
+    """GRPO-family options with a `kl_penalty` name parsed (None for plain k3, the default and
+    the one the Triton epilogue computes), as `GRPOOptions.parse` takes it."""
+    if options.get("kl_penalty") is None:
+        return options
+    penalty = KLPenalty.parse(options["kl_penalty"])
+    plain_k3 = penalty == KLPenalty()
+    return {**options, "kl_penalty": None if plain_k3 else penalty}
+
+
 def kl_estimate(logp, ref, estimator="k3", mask=None, source: str = "fgrpo") -> torch.Tensor:
     """`KLPenalty.parse(estimator, source)(logp, ref, mask)`: the per-token KL estimate [B, T]."""
     return KLPenalty.parse(estimator, source)(logp, ref, mask)

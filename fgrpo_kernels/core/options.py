@@ -289,7 +289,7 @@ class GRPOOptions:
         types' own parameters (sapo_temperature_pos, ..., vespo_lambda_neg; None or absent: the
         loss type's default; set for another loss type: a ValueError naming it)."""
         options = dict(options)
-        kl_penalty = _kl_penalty(options.pop("kl_penalty", "k3"), options)
+        kl_penalty = _kl_penalty(options.pop("kl_penalty", None), options)
         for arg in options:
             if arg not in GRPO_OPTIONS and arg not in LOSS_TYPE_PARAMS:
                 raise TypeError(f"{arg}: not an option of the GRPO family")
@@ -358,15 +358,16 @@ class GRPOOptions:
 
 
 def _kl_penalty(name, options: dict):
-    """None for k3 (the default), else the KLPenalty named (kl_estimators' names, a "+" form
-    for k2's gradient); bias correction is defined for k3 only."""
-    from .kl_estimators import KLEstimator, KLPenalty
-
-    if name is None:  # as a parsed GRPOOptions holds k3
+    """None for k3 (the default), else a `kl_estimators.KLPenalty`, parsed by the caller (this
+    module sits below kl_estimators); bias correction is defined for k3 only."""
+    if name is None:  # k3
         return None
-    penalty = KLPenalty.parse(name)
-    if penalty.estimator == KLEstimator.K3 and not penalty.k2_gradient:
-        return None
+    if isinstance(name, str):
+        raise TypeError(
+            "kl_penalty: GRPOOptions.parse takes a parsed KLPenalty; pass the options through "
+            "kl_estimators.with_parsed_penalty first"
+        )
+    penalty = name
     if options.get("use_bias_correction_kl"):
         raise ValueError(
             f"kl_penalty: use_bias_correction_kl corrects the k3 estimate only; got "

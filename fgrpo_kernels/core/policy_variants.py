@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from . import grpo_math, reference
+from .kl_estimators import with_parsed_penalty
 from .options import GRPOOptions, Level, Objective, name_of
 
 Metrics = dict[str, torch.Tensor]
@@ -196,8 +197,9 @@ def gspo_token_loss(
     sequence-level (GSPO) loss; its gradient puts s_i·∇logp_t on each token, so per-token
     weights (entropy mask, a [B, T] vLLM ratio) weight each token's own gradient."""
     opts = GRPOOptions.parse(
-        loss_type, beta, epsilon_low, epsilon_high, "sequence", max_completion_length, **options
-    )
+        loss_type, beta, epsilon_low, epsilon_high, "sequence", max_completion_length,
+        **with_parsed_penalty(options),
+    )  # fmt: skip
     if opts.objective != Objective.CLIPPED:
         raise ValueError(
             f"loss_type: GSPO-token needs a clipped loss type, one of 'grpo', 'bnpo', 'dr_grpo', "

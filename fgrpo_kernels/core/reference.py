@@ -20,6 +20,7 @@ import torch
 from . import grpo_math
 from . import validation as check
 from .divergences import NAMES, TABLE, phi
+from .kl_estimators import with_parsed_penalty
 from .options import (
     LEVELS,
     LOSS_TYPES,
@@ -300,7 +301,7 @@ def grpo_loss(
     check.num_items_in_batch(num_items_in_batch)
     opts = GRPOOptions.parse(
         loss_type, beta, epsilon_low, epsilon_high, importance_sampling_level,
-        max_completion_length, **options,
+        max_completion_length, **with_parsed_penalty(options),
     )  # fmt: skip
     if opts.needs_entropy and entropy is None:
         raise ValueError(

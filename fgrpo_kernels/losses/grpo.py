@@ -7,6 +7,7 @@ import torch
 from ..backends import distributed
 from ..core import grpo_math
 from ..core import validation as check
+from ..core.kl_estimators import with_parsed_penalty
 from ..core.options import GRPOOptions
 from ..head.autograd import EpilogueFunction
 from ..head.batch import Batch
@@ -166,7 +167,7 @@ class FusedLinearGRPOLoss(FusedLoss):
             epsilon_high,
             importance_sampling_level,
             max_completion_length,
-            **options,
+            **with_parsed_penalty(options),
         )
 
     def entropy_threshold(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
