@@ -208,46 +208,20 @@ def _progress(total: int):
 def run(args) -> int:
     import torch
 
-    import fgrpo_kernels
-
-    from . import estimate, report
-    from .measure import measure, row
+    from . import report
 
     if args.replot:
         return _write_report(report.read_csv(args.out / "results.csv"), args.out)
     preset, cases = _cases(args)
     if args.dry_run:
-        lines, total = estimate.plan(cases)
-        print("\n".join(lines))
-        budget = f" (budget {preset.budget_s:.0f} s)" if preset.budget_s is not None else ""
-        print(f"{len(cases)} cases, estimated {total:.0f} s{budget} (a plan, not a measurement)")
-        return 0
+        return _dry_run(preset, cases)
     if cases and cases[0].device == "cuda" and not torch.cuda.is_available():
         print("fgrpo bench: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
         return 2
     device = cases[0].device if cases else "cpu"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     args.out.mkdir(parents=True, exist_ok=True)
-    start = datetime.datetime.now(datetime.timezone.utc)
-    meta = {
-        "command": command(args),
-        "preset": preset.name,
-        "date_utc": start.isoformat(timespec="seconds"),
-        "machine": machine(),
-        "load_average_before": load_average(),
-        "cpu_backend": fgrpo_kernels.cpu_backend() if device == "cpu" else None,
-        "fgrpo_kernels": fgrpo_kernels.__version__,
-        "versions": versions(cases),
-        "policy": dataclasses.asdict(preset.policy),
-        "budget_s": preset.budget_s,
-        "floor": "k·N·H·V at the GEMM rate of the shape measured in this run"
-        + (f"; {args.peak_tflops} TFLOP/s where no gemm row ran" if peak else ""),
-    }
-    if preset.note:
-        meta["note"] = preset.note
-    if args.mmap_threshold_mib is not None:  # read by glibc at start: set before any worker
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(int(args.mmap_threshold_mib * 2**20))
-        meta["malloc_mmap_threshold"] = os.environ["MALLOC_MMAP_THRESHOLD_"]
+    meta = _meta(args, preset, cases, device, peak)
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # kept if interrupted
     writer = report.CsvWriter(args.out / "results.csv")
     records, bar, t0 = [], _progress(len(cases)), time.perf_counter()
@@ -256,22 +230,7 @@ def run(args) -> int:
     for i, case in enumerate(cases):
         if bar is not None:
             bar.set_description(case.label())
-        left = None if preset.budget_s is None else preset.budget_s - process_age_s() - report_s
-        need = estimate.case_seconds(case)
-        if left is not None and (left <= 0 or (case.device == "cuda" and need > left)):
-            note = f"time budget of {preset.budget_s:.0f} s from process start spent"
-            if left > 0:
-                note += f": {left:.0f} s left, the case needs ~{need:.0f} s (estimate)"
-            result = row(case, "skipped", note)
-        else:
-            if left is not None and case.device == "cpu":  # its worker is killed at the limit
-                policy = dataclasses.replace(
-                    case.policy, timeout_s=max(1.0, min(case.policy.timeout_s, left))
-                )
-                case = dataclasses.replace(case, policy=policy)
-            started = time.perf_counter()
-            result = measure(case, args.isolation)
-            result["case_s"] = time.perf_counter() - started
+        case, result = _run_case(case, preset, args.isolation, report_s)
         shape = (case.device, case.tokens, case.hidden, case.vocab, case.dtype)
         record = report.flatten(result, rates.get(shape, peak))
         if report.gemm_rate(record):
@@ -297,6 +256,68 @@ def run(args) -> int:
     _write_report(records, args.out)
     print(f"{len(records)} cases in {meta['wall_s']} s → {args.out}/", file=sys.stderr)
     return 0
+
+
+def _dry_run(preset, cases) -> int:
+    from . import estimate
+
+    lines, total = estimate.plan(cases)
+    print("\n".join(lines))
+    budget = f" (budget {preset.budget_s:.0f} s)" if preset.budget_s is not None else ""
+    print(f"{len(cases)} cases, estimated {total:.0f} s{budget} (a plan, not a measurement)")
+    return 0
+
+
+def _run_case(case, preset, isolation, report_s: float) -> tuple:
+    """(the case as run, its result row): a skipped row once the budget from process start is
+    spent (or, on CUDA, when the case's estimate does not fit what is left), else measured,
+    a CPU worker's timeout cut to what is left."""
+    from . import estimate
+    from .measure import measure, row
+
+    left = None if preset.budget_s is None else preset.budget_s - process_age_s() - report_s
+    need = estimate.case_seconds(case)
+    if left is not None and (left <= 0 or (case.device == "cuda" and need > left)):
+        note = f"time budget of {preset.budget_s:.0f} s from process start spent"
+        if left > 0:
+            note += f": {left:.0f} s left, the case needs ~{need:.0f} s (estimate)"
+        return case, row(case, "skipped", note)
+    if left is not None and case.device == "cpu":  # its worker is killed at the limit
+        policy = dataclasses.replace(
+            case.policy, timeout_s=max(1.0, min(case.policy.timeout_s, left))
+        )
+        case = dataclasses.replace(case, policy=policy)
+    started = time.perf_counter()
+    result = measure(case, isolation)
+    result["case_s"] = time.perf_counter() - started
+    return case, result
+
+
+def _meta(args, preset, cases, device: str, peak) -> dict:
+    """meta.json: the command, the machine, the versions and the policy of the run."""
+    import fgrpo_kernels
+
+    start = datetime.datetime.now(datetime.timezone.utc)
+    meta = {
+        "command": command(args),
+        "preset": preset.name,
+        "date_utc": start.isoformat(timespec="seconds"),
+        "machine": machine(),
+        "load_average_before": load_average(),
+        "cpu_backend": fgrpo_kernels.cpu_backend() if device == "cpu" else None,
+        "fgrpo_kernels": fgrpo_kernels.__version__,
+        "versions": versions(cases),
+        "policy": dataclasses.asdict(preset.policy),
+        "budget_s": preset.budget_s,
+        "floor": "k·N·H·V at the GEMM rate of the shape measured in this run"
+        + (f"; {args.peak_tflops} TFLOP/s where no gemm row ran" if peak else ""),
+    }
+    if preset.note:
+        meta["note"] = preset.note
+    if args.mmap_threshold_mib is not None:  # read by glibc at start: set before any worker
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(int(args.mmap_threshold_mib * 2**20))
+        meta["malloc_mmap_threshold"] = os.environ["MALLOC_MMAP_THRESHOLD_"]
+    return meta
 
 
 def _write_report(records: list[dict], out: Path, echo: bool = True) -> int:

@@ -277,6 +277,31 @@ def measure_here(case: Case, cap_memory: bool = False) -> dict:
     return result
 
 
+def _scale_note(job, case: Case) -> tuple[float, str]:
+    """(the factor from the rows timed to N, the row's note)."""
+    scale = getattr(job, "scale", 1.0)
+    if scale != 1.0:
+        return scale, f"timed on {case.tokens / scale:.0f} rows, scaled to N"
+    return scale, getattr(job, "note", "")
+
+
+def _repeat(job, case: Case) -> tuple[list[float], list[float], float | None, object]:
+    """(wall times, CPU times, the first run's time, the last output): the policy's warm-ups,
+    then timed runs until `min_time_s` is reached or `repeats` are done."""
+    policy = case.policy
+    times, cpus, first, out = [], [], None, None
+    for i in range(policy.warmup + policy.repeats):
+        if i > policy.warmup and sum(times) >= policy.min_time_s:
+            break
+        warm = i < policy.warmup
+        t, c, out = _time_one(job, case, warm and policy.warmup_small)
+        first = t if first is None else first
+        if not warm:
+            times.append(t)
+            cpus.append(c)
+    return times, cpus, first, out
+
+
 def _measure_here(case: Case, cap_memory: bool) -> dict:
     why = _unavailable(case)
     if why is not None:
@@ -308,20 +333,8 @@ def _measure_here(case: Case, cap_memory: bool) -> dict:
         cap = policy.max_mem_gib if cap_memory and case.device == "cpu" else None
         mem = (_CudaMemory if case.device == "cuda" else _CpuMemory)(cap)
         compiles = PEERS[case.impl].compiles if case.impl in PEERS else False
-        times, cpus, first, out = [], [], None, None
-        for i in range(policy.warmup + policy.repeats):
-            if i > policy.warmup and sum(times) >= policy.min_time_s:
-                break
-            warm = i < policy.warmup
-            t, c, out = _time_one(job, case, warm and policy.warmup_small)
-            first = t if first is None else first
-            if not warm:
-                times.append(t)
-                cpus.append(c)
-        scale = getattr(job, "scale", 1.0)
-        note = getattr(job, "note", "")
-        if scale != 1.0:
-            note = f"timed on {case.tokens / scale:.0f} rows, scaled to N"
+        times, cpus, first, out = _repeat(job, case)
+        scale, note = _scale_note(job, case)
         return row(
             case,
             "ok",

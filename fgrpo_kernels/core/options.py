@@ -317,19 +317,7 @@ class GRPOOptions:
         high = check.positive("epsilon_high", epsilon_high, allow_zero=True)
         if max_completion_length is not None:
             check.positive_int("max_completion_length", max_completion_length)
-        clipped_only = {"delta": delta, "clip_ratio_c": clip_ratio_c}
-        for arg, value in clipped_only.items():
-            if value is not None and spec.objective != Objective.CLIPPED:
-                raise ValueError(
-                    f"{arg}: applies to the clipped loss types (grpo, bnpo, dr_grpo, dapo, "
-                    f"luspo) only; got {value!r} with loss_type={name_of(loss_type)!r}"
-                )
-        if delta is not None:
-            delta = check.positive("delta", delta)
-        if clip_ratio_c is not None:
-            clip_ratio_c = check.real("clip_ratio_c", clip_ratio_c)
-            if clip_ratio_c <= 1.0:
-                raise ValueError(f"clip_ratio_c: expected a number > 1; got {clip_ratio_c!r}")
+        delta, clip_ratio_c = _clip_options(delta, clip_ratio_c, spec, loss_type)
         quantile = check.real("top_entropy_quantile", top_entropy_quantile)
         if not 0.0 <= quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile: expected a number in [0, 1]; got {quantile!r}")
@@ -337,24 +325,49 @@ class GRPOOptions:
             off_policy_mask_threshold = check.real(
                 "off_policy_mask_threshold", off_policy_mask_threshold
             )
-        values = {}
-        for arg, value in params.items():
-            if value is None:
-                continue
-            if arg not in dict(spec.params):
-                raise ValueError(
-                    f"{arg}: applies to loss_type={arg.split('_')[0]!r} only; got {value!r} "
-                    f"with loss_type={name_of(loss_type)!r}"
-                )
-            if arg.startswith("sapo") or "lambda" in arg:
-                values[arg] = check.positive(arg, value)
-            else:
-                values[arg] = check.real(arg, value)
+        values = _loss_type_params(params, spec, loss_type)
         return cls(
             loss_type, beta, low, high, level, max_completion_length, delta, clip_ratio_c,
             bool(use_bias_correction_kl), check.real("entropy_coef", entropy_coef), quantile,
             off_policy_mask_threshold, **values, kl_penalty=kl_penalty,
         )  # fmt: skip
+
+
+def _clip_options(delta, clip_ratio_c, spec: LossTypeSpec, loss_type) -> tuple:
+    """(delta, clip_ratio_c) checked: the clipped loss types only, delta > 0, c > 1."""
+    clipped_only = {"delta": delta, "clip_ratio_c": clip_ratio_c}
+    for arg, value in clipped_only.items():
+        if value is not None and spec.objective != Objective.CLIPPED:
+            raise ValueError(
+                f"{arg}: applies to the clipped loss types (grpo, bnpo, dr_grpo, dapo, "
+                f"luspo) only; got {value!r} with loss_type={name_of(loss_type)!r}"
+            )
+    if delta is not None:
+        delta = check.positive("delta", delta)
+    if clip_ratio_c is not None:
+        clip_ratio_c = check.real("clip_ratio_c", clip_ratio_c)
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c: expected a number > 1; got {clip_ratio_c!r}")
+    return delta, clip_ratio_c
+
+
+def _loss_type_params(params: dict, spec: LossTypeSpec, loss_type) -> dict:
+    """The loss types' own parameters that are set, checked (None: the loss type's default;
+    set for another loss type: a ValueError naming it)."""
+    values = {}
+    for arg, value in params.items():
+        if value is None:
+            continue
+        if arg not in dict(spec.params):
+            raise ValueError(
+                f"{arg}: applies to loss_type={arg.split('_')[0]!r} only; got {value!r} "
+                f"with loss_type={name_of(loss_type)!r}"
+            )
+        if arg.startswith("sapo") or "lambda" in arg:
+            values[arg] = check.positive(arg, value)
+        else:
+            values[arg] = check.real(arg, value)
+    return values
 
 
 def _kl_penalty(name, options: dict):

@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--report-to", choices=REPORT_TO, help="also log every metric to TensorBoard (DIR/runs) "
       "or W&B, under TRL's names")  # fmt: skip
     a("--no-progress", action="store_true", help="no progress bar")
+    _model_and_data(parser)
+    _loss_and_optimisation(parser)
+
+
+def _model_and_data(parser: argparse.ArgumentParser) -> None:
     a = _adder(parser.add_argument_group("model"))
     a("--model", metavar="PATH", help="HF checkpoint folder or Hub id", shown="the tiny model")
     a("--device", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N")
@@ -83,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--preferences", metavar="FILE", help="f-HAL pairs (prompt, chosen, rejected)",
       shown="the digit task's")  # fmt: skip
     a("--task-steps", help="digit steps of the built-in task's progressions")
+
+
+def _loss_and_optimisation(parser: argparse.ArgumentParser) -> None:
     a = _adder(parser.add_argument_group("loss and optimisation"))
     a("--loss", choices=LOSSES, help="loss family")
     a("--divergence", choices=DIVERGENCES, help="f-GRPO / f-HAL divergence")
