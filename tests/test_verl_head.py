@@ -10,6 +10,9 @@ tests/test_verl_head.py`); tests/test_verl_adapter.py covers the module without 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -168,3 +171,17 @@ def test_use_fused_head_is_idempotent(model):
     before = (monkey_patch.patch_forward_with_backends, verl_lce.linear_cross_entropy)
     use_fused_head()
     assert (monkey_patch.patch_forward_with_backends, verl_lce.linear_cross_entropy) == before
+
+
+def test_external_lib_turns_the_backend_on_in_a_fresh_worker():
+    # what each verl worker does with actor_rollout_ref.model.external_lib (HFModelConfig)
+    code = (
+        "from verl.utils.import_utils import import_external_libs\n"
+        "from verl.models.transformers import monkey_patch\n"
+        "assert not hasattr(monkey_patch.patch_forward_with_backends, '_fgrpo')\n"
+        "import_external_libs('fgrpo_kernels.integrations.verl_enable')\n"
+        "assert monkey_patch.patch_forward_with_backends._fgrpo\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
