@@ -45,6 +45,10 @@ def _trap(*args, **kwargs):
 @pytest.fixture(scope="module")
 def model():
     use_fused_head()
+    return _tiny_qwen2()
+
+
+def _tiny_qwen2():
     torch.manual_seed(0)
     cfg = Qwen2Config(
         vocab_size=VOCAB,
@@ -89,13 +93,16 @@ def _micro_batch(rmpad: bool, entropy: bool = True):
     return batch
 
 
-def _verl_logprobs(model, backend: str, rmpad: bool, monkeypatch):
+def _verl_logprobs(model, backend: str, rmpad: bool, monkeypatch, shard=None):
     """verl's per-token log-probs and entropies [total_tokens] for `backend`, and the gradients
-    of Σ a·logp + Σ b·entropy (fixed random a, b) in every parameter."""
+    of Σ a·logp + Σ b·entropy (fixed random a, b) in every parameter; `shard(model)` after the
+    monkey patch (verl's order)."""
     model = copy.deepcopy(model)
     monkey_patch.apply_monkey_patch(
         model, use_remove_padding=rmpad, use_fused_kernels=True, fused_kernels_backend=backend
     )
+    if shard is not None:
+        shard(model)
     with monkeypatch.context() as m:
         if backend == BACKEND:  # neither of verl's kernels may run
             m.setattr(LinearCrossEntropy, "forward", staticmethod(_trap))
@@ -108,8 +115,12 @@ def _verl_logprobs(model, backend: str, rmpad: bool, monkeypatch):
     g = torch.Generator().manual_seed(2)
     a, b = (torch.randn(logp.shape, generator=g) for _ in range(2))
     ((a * logp).sum() + (b * ent).sum()).backward()
-    grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
     return logp.detach(), ent.detach(), grads
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _close(label, got, want, tol=1e-5):
@@ -185,3 +196,32 @@ def test_external_lib_turns_the_backend_on_in_a_fresh_worker():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _fsdp2_ranks(rank, world, want):
+    """verl's own FSDP2 wrapping (apply_fsdp2: each decoder layer, embed_tokens and the untied
+    lm_head are their own units, so the patched root forward sees lm_head.weight as a sharded
+    DTensor), the backend "fgrpo", the whole batch on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    use_fused_head()
+    mesh = init_device_mesh("cpu", (world,))
+
+    def shard(model):
+        apply_fsdp2(model, {"mesh": mesh}, {})
+        assert hasattr(model.lm_head.weight, "full_tensor"), "lm_head.weight is not a DTensor"
+
+    with pytest.MonkeyPatch.context() as m:
+        logp, ent, grads = _verl_logprobs(_tiny_qwen2(), BACKEND, True, m, shard)
+    _close("FSDP2 logp", logp, want[0])
+    _close("FSDP2 entropy", ent, want[1])
+    for name, g in want[2].items():  # each rank holds the whole batch: the average is the full
+        _close(f"FSDP2 d{name}", grads[name], g)
+
+
+def test_fsdp2_dtensor_lm_head_equals_verls_torch_backend(model, monkeypatch):
+    from tests.ranks import run_ranks
+
+    want = _verl_logprobs(model, "torch", True, monkeypatch)
+    run_ranks(_fsdp2_ranks, 2, want, torch_holds_group=True)
