@@ -70,6 +70,16 @@ def test_entropy_gradient_alone_reaches_the_weight():
     assert _rel(w.grad, w64.grad) < 1e-5
 
 
+def test_ignored_labels_give_zero_and_no_gradient():
+    hidden, weight, labels = _inputs((1, 8))
+    labels[0, 3] = -100
+    h = hidden.clone().requires_grad_()
+    logp, ent = fk_verl.linear_cross_entropy(h, weight, labels)
+    (logp.sum() + ent.sum()).backward()
+    assert logp[0, 3] == 0 and ent[0, 3] == 0
+    assert not h.grad[0, 3].any() and h.grad[0, 2].any()
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
