@@ -9,6 +9,7 @@ from .core.divergences import Divergence
 from .core.reference import group_normalize
 from .head.logprobs import fused_linear_logprobs
 from .losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
+from .losses.packed import PackedLoss
 from .losses.policy import FusedLinearPolicyLoss
 from .losses.preference import FusedLinearFDOLoss, FusedLinearFHALLoss
 
@@ -21,6 +22,7 @@ __all__ = [
     "FusedLinearGIFTLoss",
     "FusedLinearGRPOLoss",
     "FusedLinearPolicyLoss",
+    "PackedLoss",
     "__version__",
     "cpu_backend",
     "fused_linear_logprobs",

@@ -4,6 +4,7 @@ single-pass plan."""
 from .fgrpo import FusedLinearFGRPOLoss
 from .gift import FusedLinearGIFTLoss
 from .grpo import FusedLinearGRPOLoss
+from .packed import PackedLoss
 from .policy import FusedLinearPolicyLoss
 from .preference import FusedLinearFDOLoss, FusedLinearFHALLoss
 
@@ -14,4 +15,5 @@ __all__ = [
     "FusedLinearGIFTLoss",
     "FusedLinearGRPOLoss",
     "FusedLinearPolicyLoss",
+    "PackedLoss",
 ]
