@@ -68,44 +68,85 @@ def as_2d(ratio: torch.Tensor | None) -> torch.Tensor | None:
 # ----------------------------------------------------------------------------- policy term
 
 
-def policy_term(logps, lr, advantages, opts: GRPOOptions) -> torch.Tensor:
-    """The loss type's policy term per token, w = exp(lr) (saturating), a the advantage:
+def _clipped(logps, w, a, opts: GRPOOptions) -> torch.Tensor:
+    unclipped = w if opts.delta is None else w.clamp(max=opts.delta)
+    clipped = w.clamp(1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high)
+    pt = -torch.minimum(unclipped * a, clipped * a)
+    if opts.clip_ratio_c is not None:
+        pt = torch.where(a < 0, torch.minimum(pt, -a * opts.clip_ratio_c), pt)
+    return pt
 
-    clipped: −min(min(w, δ)·a, clip(w, 1 − ε_low, 1 + ε_high)·a), capped at −a·c for a < 0
-    (dual clip); cispo: −sg(min(w, ε_high))·a·logp; sapo: −a·(4/τ)·σ(τ(w − 1)), τ = τ₊ for
-    a > 0 else τ₋; vespo: −a·logp (its detached gamma weight is a row weight)."""
-    a = advantages.unsqueeze(-1)
-    w = sat_exp(lr)
-    objective = opts.objective
-    if objective == Objective.CLIPPED:
-        unclipped = w if opts.delta is None else w.clamp(max=opts.delta)
-        clipped = w.clamp(1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high)
-        pt = -torch.minimum(unclipped * a, clipped * a)
-        if opts.clip_ratio_c is not None:
-            pt = torch.where(a < 0, torch.minimum(pt, -a * opts.clip_ratio_c), pt)
-        return pt
-    if objective == Objective.CISPO:
-        return -(w.clamp(max=opts.epsilon_high).detach() * a) * logps
-    if objective == Objective.SAPO:
-        tau = torch.where(a > 0, w.new_tensor(opts.sapo_temperature_pos),
-                          w.new_tensor(opts.sapo_temperature_neg))  # fmt: skip
-        return -a * torch.sigmoid(tau * (w - 1.0)) * (4.0 / tau)
+
+def _cispo(logps, w, a, opts: GRPOOptions) -> torch.Tensor:
+    return -(w.clamp(max=opts.epsilon_high).detach() * a) * logps
+
+
+def _sapo(logps, w, a, opts: GRPOOptions) -> torch.Tensor:
+    tau = torch.where(a > 0, w.new_tensor(opts.sapo_temperature_pos),
+                      w.new_tensor(opts.sapo_temperature_neg))  # fmt: skip
+    return -a * torch.sigmoid(tau * (w - 1.0)) * (4.0 / tau)
+
+
+def _plain(logps, w, a, opts: GRPOOptions) -> torch.Tensor:
     return -a * logps
 
 
+def _clipped_tokens(ratio, a, opts: GRPOOptions):
+    low = (ratio < 1.0 - opts.epsilon_low) & (a < 0)
+    return low, (ratio > 1.0 + opts.epsilon_high) & (a > 0)
+
+
+def _capped_tokens(ratio, a, opts: GRPOOptions):
+    return None, (ratio > opts.epsilon_high) & (a > 0)
+
+
+def _never(ratio, a, opts: GRPOOptions):
+    return None, None
+
+
+@dataclass(frozen=True)
+class PolicyTerm:
+    """One GRPO policy term: its per-token formula `term(logps, w, a, opts)` (w = exp(log
+    ratio), a the advantage [B, 1]; autograd gives its gradient), the tokens it clips
+    `clips(ratio, a, opts) -> (low | None, high | None)` (bools), the metrics those feed
+    (`metrics.py`), the ratio bounds the Triton epilogue takes, and the id of its branch there
+    (`backends/triton/epilogue_grpo.py`). `sequence_weight`: its detached row weight is a
+    statistic of whole sequences (VESPO's φ), which also takes the IS ratio in."""
+
+    term: object
+    clips: object
+    triton_id: int
+    clip_metrics: str = ""  # "trl": clip_ratio/*; "cispo": cispo_clip_ratio; "": none
+    raw_cap: bool = False  # the Triton bounds are (0, ε_high), not [1 − ε_low, 1 + ε_high]
+    sequence_weight: bool = False
+
+
+# The docs/math.md formulas, one entry per objective; a new term is one entry here (and its
+# Triton branch, `triton_id`).
+POLICY_TERMS: dict[Objective, PolicyTerm] = {
+    # −min(min(w, δ)·a, clip(w, 1 − ε_low, 1 + ε_high)·a), capped at −a·c for a < 0
+    Objective.CLIPPED: PolicyTerm(_clipped, _clipped_tokens, 0, clip_metrics="trl"),
+    # −sg(min(w, ε_high))·a·logp
+    Objective.CISPO: PolicyTerm(_cispo, _capped_tokens, 1, clip_metrics="cispo", raw_cap=True),
+    # −a·(4/τ)·σ(τ(w − 1)), τ = τ₊ for a > 0 else τ₋
+    Objective.SAPO: PolicyTerm(_sapo, _never, 2),
+    # −a·logp, times its detached gamma weight φ of the sequence (a row weight)
+    Objective.VESPO: PolicyTerm(_plain, _never, 3, sequence_weight=True),
+}
+
+
+def policy_term(logps, lr, advantages, opts: GRPOOptions) -> torch.Tensor:
+    """The loss type's policy term per token (`POLICY_TERMS`), w = exp(lr) saturating."""
+    return POLICY_TERMS[opts.objective].term(logps, sat_exp(lr), advantages.unsqueeze(-1), opts)
+
+
 def clip_indicators(ratio, advantages, opts: GRPOOptions):
-    """(low, high) as floats: where the policy term is clipped and carries no gradient. Clipped
-    family: a < 0 and w < 1 − ε_low (low), a > 0 and w > 1 + ε_high (high); cispo: a > 0 and
-    w > ε_high (high, TRL's cispo_clip_ratio); sapo and vespo never clip (zeros)."""
+    """(low, high) as floats: where the policy term is clipped and carries no gradient (the
+    term's `clips`; zeros where it never clips)."""
     a = advantages.unsqueeze(-1)
     zeros = torch.zeros_like(ratio * a)
-    if opts.objective == Objective.CLIPPED:
-        low = ((ratio < 1.0 - opts.epsilon_low) & (a < 0)).to(zeros.dtype)
-        high = ((ratio > 1.0 + opts.epsilon_high) & (a > 0)).to(zeros.dtype)
-        return low, high
-    if opts.objective == Objective.CISPO:
-        return zeros, ((ratio > opts.epsilon_high) & (a > 0)).to(zeros.dtype)
-    return zeros, zeros
+    low, high = POLICY_TERMS[opts.objective].clips(ratio, a, opts)
+    return tuple(zeros if x is None else x.to(zeros.dtype) for x in (low, high))
 
 
 # ----------------------------------------------------------------------------- policy weights
@@ -169,7 +210,7 @@ def row_weight(logps, old, mask, advantages, opts, ratio=None, sampling=None):
         sampling = (logps if old is None else old) if sampling is None else sampling
         threshold = opts.off_policy_mask_threshold
         weight = off_policy_keep(logps, sampling, mask, advantages, threshold)
-    if opts.objective == Objective.VESPO:
+    if POLICY_TERMS[opts.objective].sequence_weight:
         phi = vespo_phi(logps, old, mask, advantages, ratio, opts)
     elif ratio is not None and ratio.shape[-1] == 1:
         phi = ratio.to(logps.dtype)
@@ -184,7 +225,8 @@ def token_weight(mask, opts, ratio=None, entropy=None, threshold=None, dtype=tor
     per-token ρ (not for VESPO, which folds ρ into φ) times the entropy mask."""
     ratio = as_2d(ratio)
     weight = None
-    if ratio is not None and ratio.shape[-1] != 1 and opts.objective != Objective.VESPO:
+    folded = POLICY_TERMS[opts.objective].sequence_weight  # the ratio is inside its row weight
+    if ratio is not None and ratio.shape[-1] != 1 and not folded:
         weight = ratio.to(dtype)
     if opts.entropy_mask:
         keep = entropy_mask(entropy, mask, threshold).to(dtype)

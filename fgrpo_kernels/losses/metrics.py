@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..core import grpo_math
-from ..core.options import FGRPOOptions, GIFTOptions, GRPOOptions, Level, Objective
+from ..core.options import FGRPOOptions, GIFTOptions, GRPOOptions, Level
 from ..core.reference import group_zscore
 
 
@@ -99,15 +99,16 @@ def grpo(loss, logps, entropy, old, ref, mask, advantages, ratio, norms, opts: G
     def mean(x):  # TRL: one value per sequence at sequence level
         return _mean(x) if x.shape[1] == 1 else grpo_math.masked_mean(x, mask)
 
-    if opts.objective == Objective.CLIPPED:
+    term = grpo_math.POLICY_TERMS[opts.objective]
+    if term.clip_metrics == "trl":
         out["clip_ratio/low_mean"] = mean(low)
         out["clip_ratio/high_mean"] = mean(high)
         out["clip_ratio/region_mean"] = mean(region)
         out["clip_ratio/low_min"] = _row_extreme(low, mask, torch.min)
         out["clip_ratio/high_max"] = _row_extreme(high, mask, torch.max)
-    elif opts.objective == Objective.CISPO:
+    elif term.clip_metrics == "cispo":
         out["cispo_clip_ratio"] = mean(high)
-    elif opts.objective == Objective.VESPO:
+    if term.sequence_weight:
         out["vespo/phi_seq_mean"] = grpo_math.vespo_phi(
             lp, old, mask, advantages, grpo_math.as_2d(ratio), opts
         ).mean()

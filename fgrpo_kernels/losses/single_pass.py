@@ -40,7 +40,6 @@ from ..core.options import (
     GRPOOptions,
     Level,
     LogProbOptions,
-    Objective,
     Reduction,
 )
 from ..head.autograd import SinglePassFunction, select_backend
@@ -276,7 +275,8 @@ def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) 
     """The GRPO family on the batch's `grpo_math.Normalisers` (row scales and the entropy
     bonus's scale, computed up front; no entropy mask): per-token terms, except a GSPO ratio,
     VESPO's weight and the off-policy mask, which are statistics of whole sequences."""
-    per_row = (opts.level == Level.SEQUENCE or opts.objective == Objective.VESPO
+    sequence_weight = grpo_math.POLICY_TERMS[opts.objective].sequence_weight
+    per_row = (opts.level == Level.SEQUENCE or sequence_weight
                or opts.off_policy_mask_threshold is not None)  # fmt: skip
 
     def grad(rows, m, lp, ent):

@@ -14,6 +14,7 @@ compiles each for sm_90 so that code the interpreter accepts but the compiler re
 from __future__ import annotations
 
 from ...core.divergences import TABLE, Divergence
+from ...core.grpo_math import POLICY_TERMS
 from ...core.options import Objective
 from .epilogue_common import num_warps
 from .epilogue_fgrpo import _fgrpo_epilogue_kernel, fgrpo
@@ -97,7 +98,8 @@ _GRPO_POINTERS = {"HAS_OLD": "old_ptr", "HAS_KL": "ref_ptr", "HAS_ROW_WEIGHT": "
 
 
 def _grpo_spec(name, objective: Objective, sequence: bool, flags: set[str], tile):
-    constexprs = {"OBJECTIVE": int(objective), "SEQUENCE_LEVEL": sequence, **tile}
+    constexprs = {"OBJECTIVE": POLICY_TERMS[objective].triton_id, "SEQUENCE_LEVEL": sequence,
+                  **tile}  # fmt: skip
     for flag in _GRPO_FLAGS:
         constexprs[flag] = flag in flags
         if flag in _GRPO_POINTERS and flag not in flags:

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ...core import grpo_math
-from ...core.options import GRPOOptions, Level, Objective
+from ...core.options import GRPOOptions, Level
 from .epilogue_common import (
     Plan,
     contiguous,
@@ -170,7 +170,7 @@ def _grpo_epilogue_kernel(
 def clip_bounds(opts: GRPOOptions) -> tuple[float, float]:
     """(lo, hi) of the ratio: [1 − ε_low, 1 + ε_high] for the clipped family, hi = ε_high (the
     raw cap) for cispo."""
-    if opts.objective == Objective.CISPO:
+    if grpo_math.POLICY_TERMS[opts.objective].raw_cap:
         return 0.0, opts.epsilon_high
     return 1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high
 
@@ -219,7 +219,7 @@ def grpo(
         inf if opts.clip_ratio_c is None else float(opts.clip_ratio_c),
         float(opts.sapo_temperature_pos),
         float(opts.sapo_temperature_neg),
-        OBJECTIVE=int(opts.objective),
+        OBJECTIVE=grpo_math.POLICY_TERMS[opts.objective].triton_id,
         SEQUENCE_LEVEL=opts.level == Level.SEQUENCE,
         HAS_OLD=old_logps is not None,
         HAS_KL=has_kl,
