@@ -6,20 +6,10 @@ import pytest
 import torch
 
 from fgrpo_kernels import FusedLinearGRPOLoss
-from fgrpo_kernels.backends.cpu import cpp
 from fgrpo_kernels.core.kl_estimators import KLPenalty
 
 BETA = 0.3
 NAMES = ["k1", "abs", "k2", "low_var_kl", "k3+", "k1+"]
-
-
-@pytest.fixture(params=["chunked", "cpp", "triton"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("FGRPO_BACKEND", "triton" if request.param == "triton" else "cpu")
-    monkeypatch.setenv("FGRPO_CPU_BACKEND", "torch" if request.param == "chunked" else "cpp")
-    if request.param == "cpp" and not cpp.available():
-        pytest.skip(f"C++ backend not built: {cpp.build_error()}")
-    return request.param
 
 
 def batch(seed=5, B=3, T=6, H=8, V=17):

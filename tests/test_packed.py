@@ -14,20 +14,10 @@ from fgrpo_kernels import (
     FusedLinearPolicyLoss,
     PackedLoss,
 )
-from fgrpo_kernels.backends.cpu import cpp
 from fgrpo_kernels.losses.packed import Layout
 
 H, V = 8, 29
 LENGTHS = [3, 0, 5, 1]  # an empty sequence among them
-
-
-@pytest.fixture(params=["chunked", "cpp", "triton"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("FGRPO_BACKEND", "triton" if request.param == "triton" else "cpu")
-    monkeypatch.setenv("FGRPO_CPU_BACKEND", "torch" if request.param == "chunked" else "cpp")
-    if request.param == "cpp" and not cpp.available():
-        pytest.skip(f"C++ backend not built: {cpp.build_error()}")
-    return request.param
 
 
 def packed_batch(lengths, seed=0, prefix=""):
@@ -159,7 +149,11 @@ def test_a_packed_mask_and_a_per_token_ratio_are_laid_out_too(monkeypatch):
         (torch.tensor([0.0, 2.0]), TypeError, "^cu_seqlens: expected an integer tensor"),
         (torch.tensor([1, 3]), ValueError, r"^cu_seqlens: expected \[0, end_1"),
         (torch.tensor([0, 3, 2]), ValueError, "^cu_seqlens: expected non-decreasing"),
-        (torch.tensor([0, 3, 5]), ValueError, r"^hidden: expected 5 packed tokens in dim 0 \(cu_seqlens\[-1\]\); got shape \[9, 8\]"),
+        (
+            torch.tensor([0, 3, 5]),
+            ValueError,
+            r"^hidden: expected 5 packed tokens in dim 0 \(cu_seqlens\[-1\]\); got shape \[9, 8\]",
+        ),
     ],
 )
 def test_bad_boundaries_are_named_errors(cu, error, message):

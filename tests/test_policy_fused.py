@@ -8,7 +8,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fgrpo_kernels.backends.cpu import cpp
 from fgrpo_kernels.core.kl_estimators import KLPenalty
 from fgrpo_kernels.core.policy_variants_verl import agg_loss
 from fgrpo_kernels.core.rollout_correction import rollout_correction
@@ -17,15 +16,6 @@ from fgrpo_kernels.losses.policy import VARIANTS, FusedLinearPolicyLoss
 BACKENDS = ["chunked", "cpp", "triton"]
 OPTIONS = {"dro": {"dro_beta": 0.1}, "gmpo": {"beta": 0.05}, "gspo_token": {"beta": 0.05}}
 DELTAS = st.one_of(st.sampled_from([0.0, 30.0, -30.0]), st.floats(-3.0, 3.0))
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("FGRPO_BACKEND", "triton" if request.param == "triton" else "cpu")
-    monkeypatch.setenv("FGRPO_CPU_BACKEND", "torch" if request.param == "chunked" else "cpp")
-    if request.param == "cpp" and not cpp.available():
-        pytest.skip(f"C++ backend not built: {cpp.build_error()}")
-    return request.param
 
 
 @pytest.fixture

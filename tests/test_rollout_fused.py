@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from fgrpo_kernels import FusedLinearFGRPOLoss, FusedLinearGRPOLoss
-from fgrpo_kernels.backends.cpu import cpp
 from fgrpo_kernels.core.rollout_correction import rollout_correction
 from fgrpo_kernels.losses.policy import VARIANTS
 
@@ -18,15 +17,6 @@ TOKEN_IS = {
 }  # fmt: skip
 SEQUENCE_IS = {"rollout_is": "sequence", "rollout_is_threshold": 3.0}
 REJECT_ONLY = {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.05}
-
-
-@pytest.fixture(params=["chunked", "cpp", "triton"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv("FGRPO_BACKEND", "triton" if request.param == "triton" else "cpu")
-    monkeypatch.setenv("FGRPO_CPU_BACKEND", "torch" if request.param == "chunked" else "cpp")
-    if request.param == "cpp" and not cpp.available():
-        pytest.skip(f"C++ backend not built: {cpp.build_error()}")
-    return request.param
 
 
 def batch(dtype=torch.float32, seed=3, B=4, T=5, H=8, V=13):

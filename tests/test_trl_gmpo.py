@@ -16,7 +16,7 @@ from fgrpo_kernels.integrations.trl_gmpo import (  # noqa: E402
     FusedGMPOTrainer,
     use_fused_gmpo_loss,
 )
-from fgrpo_kernels.trainer.tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from fgrpo_kernels.trainer.tiny import tiny_tokenizer  # noqa: E402
 
 from .test_trl_integration import (  # noqa: E402
     TASK,
@@ -26,6 +26,7 @@ from .test_trl_integration import (  # noqa: E402
     fixed_batch,
     loss_and_grads,
     reward,
+    save_tiny,
 )
 
 TOL = 1e-5
@@ -33,11 +34,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The tiny model on disk: TRL builds its reference model from the path."""
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model(0).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return str(path)
+    return save_tiny(tmp_path_factory)
 
 
 def make(checkpoint, tmp_path, cls=FusedGMPOTrainer, **options):

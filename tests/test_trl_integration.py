@@ -45,6 +45,10 @@ def _cpu_path(monkeypatch):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
+    return save_tiny(tmp_path_factory)
+
+
+def save_tiny(tmp_path_factory) -> str:
     """The tiny model saved to disk: TRL builds its reference model from the path."""
     path = tmp_path_factory.mktemp("tiny")
     tiny_model(0).save_pretrained(path)
