@@ -22,6 +22,7 @@ from .test_trl_integration import (  # noqa: E402
     TASK,
     _cpu_path,  # noqa: F401 - the autouse fixture
     _no_fallback,
+    assert_two_logged_steps,
     digit_reward,
     fixed_batch,
     loss_and_grads,
@@ -109,11 +110,7 @@ def test_the_drop_in_trains(checkpoint, tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gmpo.GMPOTrainer, "_compute_loss", _no_fallback)
         trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(logs) == 2
-    for h in logs:
-        assert math.isfinite(h["loss"]) and math.isfinite(h["grad_norm"])
-        assert {"kl", "entropy", "clip_ratio/region_mean", "reward"} <= h.keys()
+    assert_two_logged_steps(trainer)
 
 
 def test_use_fused_gmpo_loss_switches_a_built_trainer(checkpoint, tmp_path):

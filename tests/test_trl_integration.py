@@ -295,6 +295,11 @@ def test_fused_metrics_equal_trl_metrics(trainer_and_batch, loss_type):
 def test_two_training_steps_with_the_drop_in(checkpoint, tmp_path):
     trainer = make_trainer(checkpoint, tmp_path)
     trainer.train()
+    assert_two_logged_steps(trainer)
+
+
+def assert_two_logged_steps(trainer) -> None:
+    """Two finite logged steps, each with TRL's loss metrics."""
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2
     for h in logs:

@@ -347,11 +347,12 @@ class FusedGRPOTrainer(FusedLossMixin, GRPOTrainer):
         self._fgrpo_setup()
 
 
-def use_fused_loss(trainer: GRPOTrainer) -> GRPOTrainer:
-    """Switch an existing GRPOTrainer (or subclass) to the fused loss, in place; returns it."""
-    if not isinstance(trainer, FusedLossMixin):
+def use_fused_loss(trainer: GRPOTrainer, mixin: type = FusedLossMixin) -> GRPOTrainer:
+    """Switch an existing GRPOTrainer (or subclass) to the fused loss of `mixin`, in place;
+    returns it."""
+    if not isinstance(trainer, mixin):
         cls = type(trainer)
-        trainer.__class__ = type(f"Fused{cls.__name__}", (FusedLossMixin, cls), {})
+        trainer.__class__ = type(f"Fused{cls.__name__}", (mixin, cls), {})
         trainer._fgrpo_setup()
     return trainer
 

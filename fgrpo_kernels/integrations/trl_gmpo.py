@@ -18,7 +18,7 @@ from __future__ import annotations
 from trl.experimental.gmpo import GMPOTrainer
 
 from ..losses.policy import FusedLinearPolicyLoss
-from .trl import FusedLossMixin
+from .trl import FusedLossMixin, use_fused_loss
 
 
 class FusedGMPOMixin(FusedLossMixin):
@@ -63,11 +63,7 @@ def use_fused_gmpo_loss(trainer: GMPOTrainer) -> GMPOTrainer:
     """Switch an existing GMPOTrainer to the fused loss, in place; returns it."""
     if not isinstance(trainer, GMPOTrainer):
         raise TypeError(f"trainer: expected a GMPOTrainer; got {type(trainer).__name__}")
-    if not isinstance(trainer, FusedGMPOMixin):
-        cls = type(trainer)
-        trainer.__class__ = type(f"Fused{cls.__name__}", (FusedGMPOMixin, cls), {})
-        trainer._fgrpo_setup()
-    return trainer
+    return use_fused_loss(trainer, FusedGMPOMixin)
 
 
 __all__ = ["FusedGMPOTrainer", "use_fused_gmpo_loss"]

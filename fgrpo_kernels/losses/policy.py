@@ -20,9 +20,10 @@ from ..core import policy_m2po, policy_variants, policy_variants_verl_pg
 from ..core import validation as check
 from ..core.kl_estimators import KLPenalty
 from ..core.policy_variants_verl import AGG_MODES, agg_loss
-from ..core.rollout_correction import RolloutCorrection, rollout_correction
+from ..core.rollout_correction import rollout_correction
 from ..head.batch import Batch
 from ..head.options import split
+from . import rollout
 from .pipeline import FusedLoss, LossStep
 
 # A variant's arguments that the module fills in itself, and those that come with each call.
@@ -188,13 +189,9 @@ class FusedLinearPolicyLoss(FusedLoss):
         return dict(options)
 
     def _rollout(self, options):
-        if options is None:
+        opts = rollout.options_of(options)
+        if opts is None:
             return None
-        opts = RolloutCorrection.parse(**options) if isinstance(options, dict) else options
-        if not isinstance(opts, RolloutCorrection):
-            raise TypeError(
-                f"rollout_correction: expected a RolloutCorrection, a dict or None; got {options!r}"
-            )
         self.weights_arg = next(
             (a for a in ("rollout_is_weights", "vllm_is_ratio") if self.variant.takes(a)), None
         )

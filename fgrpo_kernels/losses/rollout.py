@@ -17,17 +17,21 @@ from ..core.rollout_correction import RolloutCorrection, rollout_correction
 from ..head.batch import Batch
 
 
-def parse(options) -> RolloutCorrection | None:
-    """None, a RolloutCorrection, or a dict of verl's, OpenRLHF's or TRL's names."""
+def options_of(options) -> RolloutCorrection | None:
+    """None, a RolloutCorrection, or a dict of verl's, OpenRLHF's or TRL's names, parsed."""
     if options is None or isinstance(options, RolloutCorrection):
         return options
-    if isinstance(options, dict):
-        opts = RolloutCorrection.parse(**options)
-    else:
+    if not isinstance(options, dict):
         raise TypeError(
             f"rollout_correction: expected a RolloutCorrection, a dict or None; got {options!r}"
         )
-    if opts.bypass:
+    return RolloutCorrection.parse(**options)
+
+
+def parse(options) -> RolloutCorrection | None:
+    """`options_of`, refusing verl's bypass mode (these modules correct before the head)."""
+    opts = options_of(options)
+    if opts is not None and opts.bypass:
         raise ValueError(
             "rollout_correction: bypass mode (log ρ = logp − rollout) needs the current "
             "log-probs before the loss; use FusedLinearPolicyLoss for it"
