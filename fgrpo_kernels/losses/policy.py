@@ -5,7 +5,13 @@ kl_cov) and M2PO, each with the shared rollout correction and a KL term of any e
 A variant is one entry of `VARIANTS`: its plain-PyTorch loss on per-token log-probs
 (`core.policy_variants*`, `core.policy_m2po`), whose autograd gives dL/dlogp; the fused head
 gives the log-probs and their gradient without [N, V] on every backend (torch, C++, Triton).
-These losses take the two-pass path (8·N·H·V): their gradient is not formed in the sweep.
+A variant whose token's dL/dlogp needs that token alone (given the batch's mask, counted up
+front) or its own sequence takes the single pass (6·N·H·V, `single_pass`): each chunk's gradient
+is autograd of the variant on the whole batch with the chunk's log-probs live and the other
+tokens at their old log-probs, which for such a loss leaves the chunk's gradient exactly as on
+the whole batch. kl_cov (a top-k of the batch's covariance) and M2PO (a clip range from the
+whole batch's log-ratios) need every current log-prob first, and take the two-pass path
+(8·N·H·V).
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from ..core.policy_variants_verl import AGG_MODES, agg_loss
 from ..core.rollout_correction import rollout_correction
 from ..head.batch import Batch
 from ..head.options import split
-from . import rollout
+from . import rollout, single_pass
 from .pipeline import FusedLoss, LossStep
+from .single_pass import Locality
 
 # A variant's arguments that the module fills in itself, and those that come with each call.
 FILLED = ("logp", "old_logp", "advantages", "mask", "ref_logp", "entropy", "rollout_is_weights")
@@ -40,10 +47,12 @@ PER_CALL = (
 @dataclass(frozen=True)
 class Variant:
     """One policy loss: `fn(logp, old_logp, advantages, mask, **kw) -> (loss, metrics)`;
-    `source` names whose semantics it follows ("trl", "verl", "m2po")."""
+    `source` names whose semantics it follows ("trl", "verl", "m2po"); `locality`: what a
+    token's dL/dlogp depends on (`single_pass.Locality`), or why it has no single pass (str)."""
 
     fn: Callable
     source: str
+    locality: Locality | str
 
     def parameters(self) -> dict:
         return dict(inspect.signature(self.fn).parameters)
@@ -55,11 +64,26 @@ class Variant:
         return name in self.parameters()
 
 
+BATCH_WIDE = "its {} is a statistic of the whole batch's current log-probs"
+VERL_LOCALITY = {
+    "vanilla": Locality.TOKEN,
+    "gspo": Locality.ROW,
+    "clip_cov": Locality.TOKEN,  # its random choice of tokens comes in as clip_cov_keep
+    "geo_mean": Locality.ROW,
+    "gpg": Locality.TOKEN,
+    "dro": Locality.TOKEN,
+    "dppo_tv": Locality.TOKEN,
+    "dppo_kl": Locality.TOKEN,
+    "kl_cov": BATCH_WIDE.format("top-k of the token covariance"),
+}
 VARIANTS: dict[str, Variant] = {
-    "gmpo": Variant(policy_variants.gmpo_loss, "trl"),
-    "gspo_token": Variant(policy_variants.gspo_token_loss, "trl"),
-    **{name: Variant(fn, "verl") for name, fn in policy_variants_verl_pg.POLICY_LOSSES.items()},
-    "m2po": Variant(policy_m2po.m2po_loss, "m2po"),
+    "gmpo": Variant(policy_variants.gmpo_loss, "trl", Locality.ROW),
+    "gspo_token": Variant(policy_variants.gspo_token_loss, "trl", Locality.ROW),
+    **{
+        name: Variant(fn, "verl", VERL_LOCALITY[name])
+        for name, fn in policy_variants_verl_pg.POLICY_LOSSES.items()
+    },
+    "m2po": Variant(policy_m2po.m2po_loss, "m2po", BATCH_WIDE.format("clip range (tau)")),
 }
 
 
@@ -84,16 +108,72 @@ class PolicyStep(LossStep):
         self.extra = {}
 
     def chunked(self):
-        return f"loss_mode={self.module.loss_mode!r}: a plain-PyTorch loss (two-pass path)"
+        why = self._no_single_pass()
+        if why is not None:
+            return f"loss_mode={self.module.loss_mode!r}: {why}"
+        rc, old = self.module.rollout_correction, self.old
+        corrected = (
+            None if rc is None else rollout_correction(old, old, self.rollout, self.mask, rc)
+        )
+        base = torch.zeros(self.mask.shape, device=self.mask.device) if old is None else old
+
+        def grad(rows, m, lp, ent):
+            with torch.enable_grad():
+                full = base.to(lp.dtype).clone()
+                full[rows] = torch.where(m.bool(), lp, full[rows])
+                live = [full.requires_grad_()]
+                if ent is not None:
+                    ent_full = full.new_zeros(full.shape)
+                    ent_full[rows] = ent.to(full.dtype)
+                    live.append(ent_full.requires_grad_())
+                loss = self.loss_of(full, live[1] if ent is not None else None, corrected)[0]
+                grads = [None] * len(live)
+                if loss.requires_grad:  # not where the chunk's rows hold no token of the loss
+                    grads = torch.autograd.grad(loss, live, allow_unused=True)
+            d = [None if g is None else g[rows] for g in grads]
+            return torch.zeros_like(lp) if d[0] is None else d[0], d[1] if ent is not None else None
+
+        def value(lp, ent):
+            loss, self.extra = self.loss_of(lp, ent, corrected)
+            return loss.detach()
+
+        return single_pass.ChunkedLoss(self.module.variant.locality, grad, value)
+
+    def _no_single_pass(self) -> str | None:
+        m = self.module
+        if isinstance(m.variant.locality, str):
+            return m.variant.locality
+        if self.return_entropy:
+            return single_pass.RETURNED_ENTROPY
+        if m.options.get("top_entropy_quantile", 1.0) < 1.0:
+            return single_pass.ENTROPY_MASK
+        rc = m.rollout_correction
+        if rc is not None and (rc.bypass or self.old is None):
+            return (
+                "rollout_correction without old_per_token_logps (or in bypass mode) weighs by "
+                "the current log-probs"
+            )
+        return None
 
     def two_pass(self, logps, ent):
+        m = self.module
+        old = logps.detach() if self.old is None else self.old
+        corrected = None
+        if m.rollout_correction is not None:
+            corrected = rollout_correction(
+                logps, old, self.rollout, self.mask, m.rollout_correction
+            )
+        loss, self.extra = self.loss_of(logps, ent, corrected)
+        return loss
+
+    def loss_of(self, logps, ent, corrected):
+        """(loss, metrics) of the variant and the KL term on log-probs [B, T], with the
+        rollout correction's (weights, mask, metrics) or None."""
         m, kw = self.module, dict(self.inputs)
         old = logps.detach() if self.old is None else self.old
-        mask = self.mask
-        if m.rollout_correction is not None:
-            weights, mask, self.extra = rollout_correction(
-                logps, old, self.rollout, mask, m.rollout_correction
-            )
+        mask, extra = self.mask, {}
+        if corrected is not None:
+            weights, mask, extra = corrected
             if m.rollout_correction.applies_weights:
                 kw[m.weights_arg] = weights
         if m.variant.takes("ref_logp"):
@@ -110,8 +190,7 @@ class PolicyStep(LossStep):
                 "actor/kl_loss": kl_loss.detach(),
                 "actor/kl_coef": torch.tensor(m.kl_coef),
             }
-        self.extra = {**metrics, **self.extra}
-        return loss
+        return loss, {**metrics, **extra}
 
     def metrics(self, loss, logps, ent):
         out = {"loss": loss.detach(), **self.extra}
