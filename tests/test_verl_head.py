@@ -18,10 +18,9 @@ import sys
 import pytest
 import torch
 
-if os.environ.get("FGRPO_REQUIRE_VERL"):  # CI's verl venv: a missing verl fails, never skips
-    import verl  # noqa: F401
-else:
-    pytest.importorskip("verl")
+from .verl_guard import need_verl
+
+need_verl()
 
 import verl.utils.tensordict_utils as tu  # noqa: E402
 from tensordict import TensorDict  # noqa: E402

@@ -4,7 +4,9 @@ log-ratios of ±30 and zero advantages."""
 
 import pytest
 
-verl = pytest.importorskip("verl")
+from .verl_guard import need_verl  # noqa: E402
+
+verl = need_verl()
 
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402

@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, reject
 from hypothesis import strategies as st
 
-verl = pytest.importorskip("verl")
+from .verl_guard import need_verl  # noqa: E402
+
+verl = need_verl()
 
 from verl.trainer.config.algorithm import RolloutCorrectionConfig  # noqa: E402
 from verl.trainer.ppo import core_algos, rollout_corr_helper  # noqa: E402
