@@ -15,6 +15,7 @@ from fgrpo_kernels import (
     PackedLoss,
 )
 from fgrpo_kernels.losses.packed import Layout
+from fgrpo_kernels.losses.policy import VARIANTS
 
 H, V = 8, 29
 LENGTHS = [3, 0, 5, 1]  # an empty sequence among them
@@ -116,6 +117,20 @@ def test_policy_variants(backend, mode):
         tokens["clip_cov_keep"][2] = 0.0
     keys = ["hidden", "completion_ids", "old_per_token_logps"]
     call_both(lambda: FusedLinearPolicyLoss(mode), {"advantages": ADV}, keys=keys, tokens=tokens)
+
+
+REST = sorted(set(VARIANTS) - {"gmpo", "vanilla", "clip_cov"})
+
+
+@pytest.mark.parametrize("mode", REST)
+def test_every_other_policy_variant_on_the_cpu(monkeypatch, mode):
+    """The variants not run on every backend above, on the chunked-torch path: packed equals
+    padded for each entry of `VARIANTS` (sequence-local, batch-wide and token-local alike)."""
+    monkeypatch.setenv("FGRPO_BACKEND", "cpu")
+    monkeypatch.setenv("FGRPO_CPU_BACKEND", "torch")
+    keys = ["hidden", "completion_ids", "old_per_token_logps"]
+    options = {"dro_beta": 0.1} if mode == "dro" else {}
+    call_both(lambda: FusedLinearPolicyLoss(mode, **options), {"advantages": ADV}, keys=keys)
 
 
 def test_returned_entropy_comes_back_packed(monkeypatch):
