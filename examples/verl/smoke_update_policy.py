@@ -16,22 +16,27 @@ verl's `ppo_loss` and its optimizer step. The data takes the trainer's path
 `compute_log_prob`, as in the trainer.
 
 What verl needs on a CPU (nothing of it is ours): a CPU `PlatformBase` (verl's platform plugin
-point, `PlatformRegistry` / `set_platform`; its default platform is CUDA even without a GPU),
-the FSDP engine registered for the device "cpu" (`EngineRegistry.register`), fp32 mixed
-precision and sdpa attention (no flash-attn on CPU).
+point, `set_platform`; without a GPU verl falls back to its CUDA platform), the FSDP engine
+registered for the device "cpu" (`EngineRegistry`), FSDP2 (verl's FSDP1 path refuses CPU
+parameters), fp32 mixed precision, sdpa attention (no flash-attn), no torch.compile.
 
-Checks, for each layout (rmpad = `use_remove_padding=True`, and padded):
-- our head ran: `fgrpo_kernels.integrations.verl.linear_cross_entropy` is counted (once per
-  micro-batch forward) while verl's own Triton and torch kernels raise if reached;
-- `compute_log_prob` with "fgrpo" equals it with verl's torch backend (log-probs and entropy,
-  fp32, relative error <= 1e-5), and so does the gradient of every parameter in the update;
+Cases (CASES): a tied lm_head, rmpad (`use_remove_padding=True`) and padded; an untied lm_head,
+rmpad, where FSDP2 hands the patched forward the lm_head weight as a sharded DTensor. In each,
+the run with our three config lines is compared with references from the same saved weights:
+verl's torch fused-kernel backend (tied only: it does not take the DTensor) and stock verl
+(no fused kernels). Checks (`failures`):
+- our head ran: `fgrpo_kernels.integrations.verl.linear_cross_entropy` is counted, once per
+  micro-batch forward in `compute_log_prob` and in the update, while verl's own Triton and torch
+  kernels raise if reached;
+- log-probs and entropies from `compute_log_prob`, the `actor/entropy_loss` metric and every
+  parameter's gradient in the update equal each reference's (fp32, relative error <= 1e-5);
 - `actor/pg_loss` is finite, every parameter's gradient is finite and nonzero, every parameter
   changed in the optimizer step.
 
 Run (in the verl venv, bench/verl_env.sh):
-    python examples/verl/smoke_update_policy.py [--layout rmpad|padded|both] [--json out.json]
-Exit status 0 when every check passes, 1 otherwise. `--backend torch` runs verl's torch backend
-where "fgrpo" belongs: the negative control, it must fail ("our head was not called").
+    python examples/verl/smoke_update_policy.py [--layout rmpad|padded|all] [--json out.json]
+Exit status 0 when every check passes, 1 otherwise. `--backend stock` leaves our three lines
+out: the negative control, it must fail ("our head was called 0 times").
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import torch
 LAYOUTS = ("rmpad", "padded")
 TOLERANCE = 1e-5
 TEMPERATURE = 0.7
-PROMPT_LENS = (6, 3, 4, 1, 5, 2, 3, 4)  # left-padded to 6
+PROMPT_LENS = (6, 6, 3, 3, 1, 1, 4, 4)  # left-padded to 6; one prompt per group
 RESPONSE_LENS = (5, 2, 4, 3, 1, 5, 3, 2)  # right-padded to 5
 GROUP = 2  # rollout.n: responses per prompt, one uid per group
 REWARDS = (1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0)  # no group constant: no zero advantages
@@ -231,7 +236,7 @@ OUR_LINES = (
 )
 
 
-def _verl_config(model_path: str, backend: str, rmpad: bool, loss_mode: str, strategy: str):
+def _verl_config(model_path: str, backend: str, rmpad: bool, loss_mode: str):
     """verl's Hydra trainer config (ppo_trainer.yaml) for a CPU-sized run, with our three lines
     for the fused-kernel backend `backend`, or without them (backend "stock")."""
     import verl
@@ -245,7 +250,7 @@ def _verl_config(model_path: str, backend: str, rmpad: bool, loss_mode: str, str
         # CPU smoke sizes: no flash-attn, fp32, no torch.compile, a visible optimizer step
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
-        f"actor_rollout_ref.actor.strategy={strategy}",
+        "actor_rollout_ref.actor.strategy=fsdp2",
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
         "actor_rollout_ref.actor.use_torch_compile=False",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
@@ -455,7 +460,7 @@ def _advantages(batch):
     return adv
 
 
-def run_case(model_path, tokenizer, tied, layout, backend, loss_mode, strategy, references):
+def run_case(model_path, tokenizer, tied, layout, backend, loss_mode, references):
     """One layout of one model: each reference (verl's torch backend "torch", or "stock": verl
     without fused kernels, the stock GRPO config), then `backend` with verl's kernels trapped."""
     from transformers import Qwen2ForCausalLM
@@ -466,7 +471,7 @@ def run_case(model_path, tokenizer, tied, layout, backend, loss_mode, strategy, 
     forward = _UNPATCHED.setdefault("forward", Qwen2ForCausalLM.forward)
     for name in (*references, "ours"):
         impl = backend if name == "ours" else name
-        config = _verl_config(model_path, impl, rmpad, loss_mode, strategy)
+        config = _verl_config(model_path, impl, rmpad, loss_mode)
         # verl's monkey patch replaces the model class's forward; each run here is a fresh
         # verl process's, so it starts from the unpatched class
         Qwen2ForCausalLM.forward = forward
@@ -503,7 +508,6 @@ def run_case(model_path, tokenizer, tied, layout, backend, loss_mode, strategy, 
         tied=tied,
         backend=backend,
         loss_mode=loss_mode,
-        strategy=strategy,
         metrics={k: v for k, v in ours["metrics"].items() if isinstance(v, int | float)},
         micro_batches=math.ceil(len(batch) / MICRO_BATCH),
         head_calls_compute_log_prob=ours["calls_log_prob"],
@@ -610,7 +614,7 @@ def main(argv=None) -> list[dict]:
         with tempfile.TemporaryDirectory() as model_path:
             tokenizer = _tiny_qwen2(model_path, tied)
             result = run_case(
-                model_path, tokenizer, tied, layout, args.backend, loss_mode, "fsdp2", references
+                model_path, tokenizer, tied, layout, args.backend, loss_mode, references
             )
         result["failures"] = failures(result)
         results.append(result)
