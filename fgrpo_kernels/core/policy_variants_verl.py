@@ -125,7 +125,10 @@ def with_options(*groups):
     def wrap(body):
         @functools.wraps(body)
         def fn(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as e:  # as Python says it: "<name>() missing ..."
+                raise TypeError(f"{body.__name__}() {e}") from None
             bound.apply_defaults()
             values = dict(bound.arguments)
             tensors = [values.pop(name) for name in TENSORS]
