@@ -60,24 +60,45 @@ def _strs(text: str) -> tuple[str, ...]:
     return tuple(x for x in text.split(",") if x)
 
 
+# The flags that change the preset's cases: its sizes (a comma list for a Preset field of the
+# same name), the filters (flag: the Case field it keeps, help) and the fields of its policy
+# (flag: type, the Policy field, help).
+SIZE_FLAGS = {
+    "tokens": (_ints, "comma list of N (overrides the preset)"),
+    "vocab": (_ints, "comma list of V"),
+    "hidden": (_ints, "comma list of H"),
+    "dtype": (_strs, "comma list: float32, bfloat16, float16"),
+    "generations": (_ints, "comma list of B (completions per group)"),
+}
+FILTER_FLAGS = {
+    "impls": ("impl", "keep only these impls (comma list)"),
+    "workloads": ("workload", "keep only these workloads (comma list)"),
+    "passes": ("pass_", f"keep only these of {', '.join(PASSES)}"),
+}
+POLICY_FLAGS = {
+    "warmup": (int, "warmup", "untimed runs per case"),
+    "repeats": (int, "repeats", "at most this many timed runs per case"),
+    "min-time": (float, "min_time_s", "stop repeating after this many timed s"),
+    "timeout": (float, "timeout_s", "seconds per CPU case before a timeout row"),
+    "max-mem-gib": (float, "max_mem_gib", "CPU: cap each case's extra memory (GiB)"),
+}
+
+
+def _flag(args, flag: str):
+    return getattr(args, flag.replace("-", "_"))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
     p.add_argument("--quick", action="store_true", help="the device's quick preset")
     p.add_argument("--preset", choices=sorted(PRESETS), help="overrides --quick")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
-    p.add_argument("--tokens", type=_ints, help="comma list of N (overrides the preset)")
-    p.add_argument("--vocab", type=_ints, help="comma list of V")
-    p.add_argument("--hidden", type=_ints, help="comma list of H")
-    p.add_argument("--dtype", type=_strs, help="comma list: float32, bfloat16, float16")
-    p.add_argument("--impls", type=_strs, help="keep only these impls (comma list)")
-    p.add_argument("--workloads", type=_strs, help="keep only these workloads (comma list)")
-    p.add_argument("--passes", type=_strs, help=f"keep only these of {', '.join(PASSES)}")
-    p.add_argument("--generations", type=_ints, help="comma list of B (completions per group)")
-    p.add_argument("--warmup", type=int, help="untimed runs per case")
-    p.add_argument("--repeats", type=int, help="at most this many timed runs per case")
-    p.add_argument("--min-time", type=float, help="stop repeating after this many timed s")
-    p.add_argument("--timeout", type=float, help="seconds per CPU case before a timeout row")
-    p.add_argument("--max-mem-gib", type=float, help="CPU: cap each case's extra memory (GiB)")
+    for flag, (parse, text) in SIZE_FLAGS.items():
+        p.add_argument(f"--{flag}", type=parse, help=text)
+    for flag, (_, text) in FILTER_FLAGS.items():
+        p.add_argument(f"--{flag}", type=_strs, help=text)
+    for flag, (parse, _, text) in POLICY_FLAGS.items():
+        p.add_argument(f"--{flag}", type=parse, help=text)
     p.add_argument(
         "--budget-s",
         type=float,
@@ -128,24 +149,24 @@ def _cases(args) -> tuple[Preset, list[Case]]:
         if preset.name != "train-gpu":
             raise SystemExit("fgrpo bench: --tiny goes with --preset train-gpu")
         preset, device = tiny_train_gpu(), args.device or "cpu"
-    changes = {"device": device}
-    for name in ("tokens", "vocab", "hidden", "dtype", "generations"):
-        if getattr(args, name):
-            changes[name] = getattr(args, name)
+    changes = {"device": device, **{k: _flag(args, k) for k in SIZE_FLAGS if _flag(args, k)}}
     if args.budget_s is not None:
         changes["budget_s"] = args.budget_s
-    policy = {field: getattr(args, arg) for arg, field in (
-        ("warmup", "warmup"), ("repeats", "repeats"), ("min_time", "min_time_s"),
-        ("timeout", "timeout_s"), ("max_mem_gib", "max_mem_gib"),
-    ) if getattr(args, arg) is not None}  # fmt: skip
+    policy = {
+        field: _flag(args, flag)
+        for flag, (_, field, _) in POLICY_FLAGS.items()
+        if _flag(args, flag) is not None
+    }
     changes["policy"] = dataclasses.replace(preset.policy, **policy)
     preset = dataclasses.replace(preset, **changes)
-    keep = (("impls", "impl"), ("workloads", "workload"), ("passes", "pass_"))
     cases = [
-        c for c in preset.cases()
-        if all(not getattr(args, arg) or getattr(c, field) in getattr(args, arg)
-               for arg, field in keep)
-    ]  # fmt: skip
+        c
+        for c in preset.cases()
+        if all(
+            not _flag(args, flag) or getattr(c, field) in _flag(args, flag)
+            for flag, (field, _) in FILTER_FLAGS.items()
+        )
+    ]
     trl = {"vllm_is": args.vllm_is, "bias_correction_kl": args.bias_correction_kl}
     cases = [dataclasses.replace(c, **trl) if c.workload == "train-step" else c for c in cases]
     return preset, cases

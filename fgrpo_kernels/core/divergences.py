@@ -94,9 +94,18 @@ def _tv_conjugate(t: torch.Tensor) -> torch.Tensor:
     return torch.where(t > 0.5, inf, torch.where(t < -0.5, torch.full_like(t, -0.5), t))
 
 
+def _spec(name: str, docs: tuple[str, str, str, str], **formulas: Fn) -> DivergenceSpec:
+    """A table row from its name, its README row (f, g, φ₊, φ₋) and its formulas."""
+    f_doc, g_doc, phi_pos_doc, phi_neg_doc = docs
+    return DivergenceSpec(
+        name, **formulas, f_doc=f_doc, g_doc=g_doc, phi_pos_doc=phi_pos_doc, phi_neg_doc=phi_neg_doc
+    )
+
+
 TABLE: dict[Divergence, DivergenceSpec] = {
-    Divergence.KL: DivergenceSpec(
-        name="kl",
+    Divergence.KL: _spec(
+        "kl",
+        ("u ln u", "r", "−r", "e^(r−1)"),
         f=lambda u: torch.xlogy(u, u),
         g=lambda r: r,
         phi_pos=lambda r: -r,
@@ -105,13 +114,10 @@ TABLE: dict[Divergence, DivergenceSpec] = {
         dphi_neg=lambda r: sat_exp(r - 1.0),
         conjugate=lambda t: sat_exp(t - 1.0),
         maximiser=lambda t: sat_exp(t - 1.0),
-        f_doc="u ln u",
-        g_doc="r",
-        phi_pos_doc="−r",
-        phi_neg_doc="e^(r−1)",
     ),
-    Divergence.REVERSE_KL: DivergenceSpec(
-        name="reverse_kl",
+    Divergence.REVERSE_KL: _spec(
+        "reverse_kl",
+        ("−ln u", "−e^(−r)", "e^(−r)", "r − 1"),
         f=lambda u: -torch.log(u),
         g=lambda r: -sat_exp(-r),
         phi_pos=lambda r: sat_exp(-r),
@@ -120,13 +126,10 @@ TABLE: dict[Divergence, DivergenceSpec] = {
         dphi_neg=lambda r: torch.ones_like(r),
         conjugate=lambda t: -1.0 - torch.log(-t),
         maximiser=lambda t: -1.0 / t,
-        f_doc="−ln u",
-        g_doc="−e^(−r)",
-        phi_pos_doc="e^(−r)",
-        phi_neg_doc="r − 1",
     ),
-    Divergence.PEARSON: DivergenceSpec(
-        name="pearson",
+    Divergence.PEARSON: _spec(
+        "pearson",
+        ("(u−1)²", "r", "−r", "r + r²/4 for r ≥ −2, else −1"),
         f=lambda u: (u - 1.0) ** 2,
         g=lambda r: r,
         phi_pos=lambda r: -r,
@@ -135,13 +138,10 @@ TABLE: dict[Divergence, DivergenceSpec] = {
         dphi_neg=lambda r: torch.where(r >= -2.0, 1.0 + 0.5 * r, torch.zeros_like(r)),
         conjugate=_pearson_neg,
         maximiser=lambda t: (1.0 + 0.5 * t).clamp(min=0.0),
-        f_doc="(u−1)²",
-        g_doc="r",
-        phi_pos_doc="−r",
-        phi_neg_doc="r + r²/4 for r ≥ −2, else −1",
     ),
-    Divergence.HELLINGER: DivergenceSpec(
-        name="hellinger",
+    Divergence.HELLINGER: _spec(
+        "hellinger",
+        ("(√u−1)²", "1 − e^(−r)", "e^(−r) − 1", "e^r − 1"),
         f=lambda u: (torch.sqrt(u) - 1.0) ** 2,
         g=lambda r: -sat_expm1(-r),
         phi_pos=lambda r: sat_expm1(-r),
@@ -150,13 +150,15 @@ TABLE: dict[Divergence, DivergenceSpec] = {
         dphi_neg=lambda r: sat_exp(r),
         conjugate=lambda t: t / (1.0 - t),
         maximiser=lambda t: 1.0 / (1.0 - t) ** 2,
-        f_doc="(√u−1)²",
-        g_doc="1 − e^(−r)",
-        phi_pos_doc="e^(−r) − 1",
-        phi_neg_doc="e^r − 1",
     ),
-    Divergence.JS: DivergenceSpec(
-        name="js",
+    Divergence.JS: _spec(
+        "js",
+        (
+            "u ln u − (u+1) ln((u+1)/2)",
+            "ln 2 − softplus(−r)",
+            "softplus(−r) − ln 2",
+            "softplus(r) − ln 2",
+        ),
         f=lambda u: torch.xlogy(u, u) - torch.xlogy(u + 1.0, (u + 1.0) / 2.0),
         g=lambda r: LN2 - softplus(-r),
         phi_pos=lambda r: softplus(-r) - LN2,
@@ -165,13 +167,10 @@ TABLE: dict[Divergence, DivergenceSpec] = {
         dphi_neg=lambda r: torch.sigmoid(r),
         conjugate=lambda t: -torch.log(2.0 - torch.exp(t)),
         maximiser=lambda t: torch.exp(t) / (2.0 - torch.exp(t)),
-        f_doc="u ln u − (u+1) ln((u+1)/2)",
-        g_doc="ln 2 − softplus(−r)",
-        phi_pos_doc="softplus(−r) − ln 2",
-        phi_neg_doc="softplus(r) − ln 2",
     ),
-    Divergence.TV: DivergenceSpec(
-        name="tv",
+    Divergence.TV: _spec(
+        "tv",
+        ("½\\|u−1\\|", "½ tanh r", "−½ tanh r", "½ tanh r"),
         f=lambda u: 0.5 * (u - 1.0).abs(),
         g=lambda r: 0.5 * torch.tanh(r),
         phi_pos=lambda r: -0.5 * torch.tanh(r),
@@ -180,10 +179,6 @@ TABLE: dict[Divergence, DivergenceSpec] = {
         dphi_neg=lambda r: 0.5 * (1.0 - torch.tanh(r) ** 2),
         conjugate=_tv_conjugate,
         maximiser=lambda t: torch.ones_like(t),
-        f_doc="½\\|u−1\\|",
-        g_doc="½ tanh r",
-        phi_pos_doc="−½ tanh r",
-        phi_neg_doc="½ tanh r",
     ),
 }
 

@@ -6,9 +6,15 @@ rollout_is_weights [B, T]; advantages [B, T] (verl's) or [B] (broadcast over tok
 names and defaults are verl's (ActorConfig / PolicyLossConfig); metrics carry verl's names as
 detached 0-d tensors. Every loss is multiplied by the rollout IS weights w before `agg_loss`.
 Where verl divides 0 by 0 (no unmasked token in the micro-batch) the loss here is 0.
+A loss's options are declared once, in its `with_options` line (the shared groups `CLIP` and
+`aggregated()` plus its own), which gives the function its keyword signature.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
+from types import SimpleNamespace
 
 import torch
 
@@ -94,22 +100,63 @@ def _need_global(arg, dp_size):
         raise ValueError(f"{arg}: required when dp_size > 1 (the global batch's count)")
 
 
+REQUIRED = inspect.Parameter.empty  # an option without a default
+TENSORS = ("logp", "old_logp", "advantages", "mask")
+CLIP = {"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None}
+
+
+def aggregated(loss_agg_mode="token-mean"):
+    """The options of a loss that ends in `agg_loss`: its mode (verl's default for this loss),
+    the rollout IS weights and the global batch's counts."""
+    return {"loss_agg_mode": loss_agg_mode, "rollout_is_weights": None, "global_batch_info": None}
+
+
+def with_options(*groups):
+    """`body(logp, old_logp, advantages, mask, opts)` as `fn(logp, old_logp, advantages, mask, *,
+    options)`, the options those of `groups` ({name: default or REQUIRED}) in their order.
+    inspect.signature(fn) shows them (`losses.policy.Variant` reads a variant's options there),
+    a call binds them as Python binds keywords (a TypeError for an unknown or missing one), and
+    `opts` holds every option by name, defaults filled in."""
+    kinds = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter(name, kinds[0]) for name in TENSORS]
+    params += [inspect.Parameter(k, kinds[1], default=v) for g in groups for k, v in g.items()]
+    signature = inspect.Signature(params)
+
+    def wrap(body):
+        @functools.wraps(body)
+        def fn(*args, **kwargs):
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError as e:  # as Python says it: "<name>() missing ..."
+                raise TypeError(f"{body.__name__}() {e}") from None
+            bound.apply_defaults()
+            values = dict(bound.arguments)
+            tensors = [values.pop(name) for name in TENSORS]
+            return body(*tensors, SimpleNamespace(**values))
+
+        fn.__signature__ = signature
+        return fn
+
+    return wrap
+
+
 def _prepare(logp, old_logp, advantages, mask, rollout_is_weights=None):
     dtype = compute_dtype(logp, old_logp, advantages)
     lp, old, a, w = cast(dtype, logp, old_logp, advantages, rollout_is_weights)
     return lp, old, token_advantages(a), mask.to(dtype), w
 
 
-def _finish(pg_losses, mask, w, loss_agg_mode, global_batch_info, metrics):
+def _finish(pg_losses, mask, w, opts, metrics):
+    """(agg_loss of pg_losses·w under opts.loss_agg_mode and global_batch_info, metrics)."""
     if w is not None:
         pg_losses = pg_losses * w
-    loss = agg_loss(pg_losses, mask, loss_agg_mode, **(global_batch_info or {}))
+    loss = agg_loss(pg_losses, mask, opts.loss_agg_mode, **(opts.global_batch_info or {}))
     return loss, detached(metrics)
 
 
-def _bounds(clip_ratio, clip_ratio_low, clip_ratio_high):
-    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
-    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+def _bounds(opts):
+    low = opts.clip_ratio if opts.clip_ratio_low is None else opts.clip_ratio_low
+    high = opts.clip_ratio if opts.clip_ratio_high is None else opts.clip_ratio_high
     return low, high
 
 
@@ -128,98 +175,64 @@ def _kl_metric(lr, m):
     return {"actor/ppo_kl": masked_mean(-lr, m)}
 
 
+def _pg_metrics(m, clipped, lr, clipped_lower=None):
+    """verl's actor/pg_clipfrac, actor/ppo_kl (the masked mean of −lr) and, given,
+    actor/pg_clipfrac_lower: masked means of the clipped-token indicators [B, T]."""
+    metrics = {"actor/pg_clipfrac": masked_mean(clipped, m), **_kl_metric(lr, m)}
+    if clipped_lower is not None:
+        metrics["actor/pg_clipfrac_lower"] = masked_mean(clipped_lower, m)
+    return metrics
+
+
 # ----------------------------------------------------------------------------- clipped losses
 
 
-def vanilla_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    clip_ratio=0.2,
-    clip_ratio_low=None,
-    clip_ratio_high=None,
-    clip_ratio_c=3.0,
-    loss_agg_mode="token-mean",
-    rollout_is_weights=None,
-    global_batch_info=None,
-    log_ratio_clamp=LOG_RATIO_CLAMP,
-):
+@with_options(CLIP, {"clip_ratio_c": 3.0}, aggregated(), {"log_ratio_clamp": LOG_RATIO_CLAMP})
+def vanilla_loss(logp, old_logp, advantages, mask, opts):
     """PPO with dual clip: l = clamp(logp − old, ±20), r = e^l, L = max(−a·r, −a·clip(r)),
     and min(L, −a·c) where a < 0. clip_ratio_c None: no dual clip; log_ratio_clamp None: l
     unclamped (plain PPO, as M2PO's fork)."""
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c: expected a number > 1.0; got {clip_ratio_c!r}")
-    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, rollout_is_weights)
-    low, high = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    c = opts.clip_ratio_c
+    if c is not None and not c > 1.0:
+        raise ValueError(f"clip_ratio_c: expected a number > 1.0; got {c!r}")
+    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, opts.rollout_is_weights)
+    low, high = _bounds(opts)
     lr = lp - old
-    if log_ratio_clamp is not None:
-        lr = lr.clamp(-log_ratio_clamp, log_ratio_clamp)
+    if opts.log_ratio_clamp is not None:
+        lr = lr.clamp(-opts.log_ratio_clamp, opts.log_ratio_clamp)
     l1, l2, clipped = _ppo(torch.exp(lr), a, low, high)
-    l3 = -a * (float("inf") if clip_ratio_c is None else clip_ratio_c)
-    pg = (
-        clipped if clip_ratio_c is None else torch.where(a < 0, torch.minimum(l3, clipped), clipped)
-    )
-    metrics = {
-        "actor/pg_clipfrac": masked_mean((l2 > l1).to(m.dtype), m),
-        **_kl_metric(lr, m),
-        "actor/pg_clipfrac_lower": masked_mean(((clipped > l3) & (a < 0)).to(m.dtype), m),
-    }
-    return _finish(pg, m, w, loss_agg_mode, global_batch_info, metrics)
+    l3 = -a * (float("inf") if c is None else c)
+    pg = clipped if c is None else torch.where(a < 0, torch.minimum(l3, clipped), clipped)
+    lower = ((clipped > l3) & (a < 0)).to(m.dtype)
+    return _finish(pg, m, w, opts, _pg_metrics(m, (l2 > l1).to(m.dtype), lr, lower))
 
 
-def gspo_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    clip_ratio=0.2,
-    clip_ratio_low=None,
-    clip_ratio_high=None,
-    loss_agg_mode="seq-mean-token-mean",
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+@with_options(CLIP, aggregated("seq-mean-token-mean"))
+def gspo_loss(logp, old_logp, advantages, mask, opts):
     """verl's `gspo`: GSPO-token, log s_it = logp − sg(logp) + sg(Σ m l / max(Σ m, 1)) clamped
     at 10, L = max(−a·s, −a·clip(s))."""
-    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, rollout_is_weights)
-    low, high = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, opts.rollout_is_weights)
+    low, high = _bounds(opts)
     lr = lp - old
     seq = (lr * m).sum(-1) / m.sum(-1).clamp(min=1.0)
     s = torch.exp((lp - lp.detach() + seq.detach().unsqueeze(-1)).clamp(max=10.0))
     l1, l2, pg = _ppo(s, a, low, high)
-    metrics = {
-        "actor/pg_clipfrac": masked_mean((l2 > l1).to(m.dtype), m),
-        **_kl_metric(lr, m),
-        "actor/pg_clipfrac_lower": lp.new_zeros(()),
-    }
-    return _finish(pg, m, w, loss_agg_mode, global_batch_info, metrics)
+    metrics = _pg_metrics(m, (l2 > l1).to(m.dtype), lr)
+    metrics["actor/pg_clipfrac_lower"] = lp.new_zeros(())
+    return _finish(pg, m, w, opts, metrics)
 
 
 @torch.no_grad()
-def clip_cov_candidates(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    clip_ratio=0.2,
-    clip_ratio_low=None,
-    clip_ratio_high=None,
-    clip_cov_lb=1.0,
-    clip_cov_ub=5.0,
-):
+@with_options(CLIP, {"clip_cov_lb": 1.0, "clip_cov_ub": 5.0})
+def clip_cov_candidates(logp, old_logp, advantages, mask, opts):
     """clip_cov's candidate tokens (bool [B, T]): unmasked, not clipped by PPO, and
     lb < cov < ub, cov = (a − mean a)(logp − mean logp) over the micro-batch's tokens."""
     lp, old, a, m, _ = _prepare(logp, old_logp, advantages, mask)
-    low, high = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
-    l1, l2, _ = _ppo(torch.exp(lp - old), a, low, high)
+    l1, l2, _ = _ppo(torch.exp(lp - old), a, *_bounds(opts))
     a = a.expand_as(lp)
     cov = (a - masked_mean(a, m)) * (lp - masked_mean(lp, m))
     live = (m > 0) & ~(l2 > l1)
-    return live & (cov < clip_cov_ub) & (cov > clip_cov_lb)
+    return live & (cov < opts.clip_cov_ub) & (cov > opts.clip_cov_lb)
 
 
 @torch.no_grad()
@@ -241,47 +254,24 @@ def draw_clip_cov_keep(
     return keep
 
 
-def clip_cov_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    clip_cov_keep,
-    clip_ratio=0.2,
-    clip_ratio_low=None,
-    clip_ratio_high=None,
-    loss_agg_mode="token-mean",
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+@with_options({"clip_cov_keep": REQUIRED}, CLIP, aggregated())
+def clip_cov_loss(logp, old_logp, advantages, mask, opts):
     """Clip-Cov: PPO on the unclamped r = e^(logp − old), times `clip_cov_keep` [B, T] (0 on the
     tokens chosen at random, `draw_clip_cov_keep`)."""
-    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, rollout_is_weights)
-    low, high = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, opts.rollout_is_weights)
     lr = lp - old
-    corr = clip_cov_keep.to(lp.dtype)
-    pg = _ppo(torch.exp(lr), a, low, high)[2] * corr
-    metrics = {"actor/pg_clipfrac": masked_mean((corr == 0).to(m.dtype), m), **_kl_metric(lr, m)}
-    return _finish(pg, m, w, loss_agg_mode, global_batch_info, metrics)
+    corr = opts.clip_cov_keep.to(lp.dtype)
+    pg = _ppo(torch.exp(lr), a, *_bounds(opts))[2] * corr
+    return _finish(pg, m, w, opts, _pg_metrics(m, (corr == 0).to(m.dtype), lr))
 
 
-def geo_mean_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    clip_ratio=0.2,
-    clip_ratio_low=None,
-    clip_ratio_high=None,
-    rollout_is_weights=None,
-):
+@with_options(CLIP, {"rollout_is_weights": None})
+def geo_mean_loss(logp, old_logp, advantages, mask, opts):
     """verl's `geo_mean` (GMPO): l~ = sign(a)·min(sign(a)·l, sign(a)·clamp(l, −ε_low, ε_high)),
     L_i = −ā_i·exp(Σ m l~ / (Σ m + 1e-8)) (ā_i the masked row mean of a), times the geometric
     row mean of w; the mean over rows (it ignores loss_agg_mode)."""
-    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, rollout_is_weights)
-    low, high = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, opts.rollout_is_weights)
+    low, high = _bounds(opts)
     lr = lp - old
     a = a.expand_as(lp)
     ratio = torch.exp(row_mean(sign_clipped_log_ratio(lr, torch.sign(a), low, high), m, VERL_EPS))
@@ -289,9 +279,5 @@ def geo_mean_loss(
     if w is not None:
         pg = pg * torch.exp(row_mean(torch.log(w + 1e-10), m, VERL_EPS))
     clipped = (lr != lr.clamp(-low, high)).to(m.dtype)
-    metrics = {
-        "actor/pg_clipfrac": masked_mean(clipped * (a > 0), m),
-        **_kl_metric(lr, m),
-        "actor/pg_clipfrac_lower": masked_mean(clipped * (a < 0), m),
-    }
+    metrics = _pg_metrics(m, clipped * (a > 0), lr, clipped * (a < 0))
     return pg.sum() / max(pg.numel(), 1), detached(metrics)

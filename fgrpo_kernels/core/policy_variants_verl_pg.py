@@ -8,35 +8,32 @@ from __future__ import annotations
 import torch
 
 from .policy_variants_verl import (
+    CLIP,
     LOG_RATIO_CLAMP,
+    REQUIRED,
     _bounds,
     _clamped_ratio,
     _finish,
     _kl_metric,
+    _pg_metrics,
     _prepare,
+    aggregated,
     clip_cov_loss,
     geo_mean_loss,
     gspo_loss,
     masked_mean,
     vanilla_loss,
+    with_options,
 )
 
 # ----------------------------------------------------------------------------- REINFORCE-like
 
 
-def gpg_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    loss_agg_mode="token-mean",
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+@with_options(aggregated())
+def gpg_loss(logp, old_logp, advantages, mask, opts):
     """GPG: L = −a·logp (use `gpg_advantages`); old_logp is unused (may be None)."""
-    lp, _, a, m, w = _prepare(logp, None, advantages, mask, rollout_is_weights)
-    return _finish(-lp * a, m, w, loss_agg_mode, global_batch_info, {})
+    lp, _, a, m, w = _prepare(logp, None, advantages, mask, opts.rollout_is_weights)
+    return _finish(-lp * a, m, w, opts, {})
 
 
 @torch.no_grad()
@@ -56,45 +53,27 @@ def gpg_advantages(rewards, mask, index, f_norm=1.0):
     return (alpha * (scores - mean) / f_norm).unsqueeze(-1) * mask.to(scores.dtype)
 
 
-def dro_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    dro_beta,
-    loss_agg_mode="token-mean",
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+@with_options({"dro_beta": REQUIRED}, aggregated())
+def dro_loss(logp, old_logp, advantages, mask, opts):
     """DRO: L = −(a·logp − ½·β·(logp − old)²); dro_beta > 0 is required."""
-    if dro_beta is None or not dro_beta > 0:
-        raise ValueError(f"dro_beta: expected a number > 0 (required by dro); got {dro_beta!r}")
-    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, rollout_is_weights)
+    beta = opts.dro_beta
+    if beta is None or not beta > 0:
+        raise ValueError(f"dro_beta: expected a number > 0 (required by dro); got {beta!r}")
+    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, opts.rollout_is_weights)
     lr = lp - old
-    pg = -(lp * a - 0.5 * dro_beta * lr.square())
-    return _finish(pg, m, w, loss_agg_mode, global_batch_info, _kl_metric(lr, m))
+    pg = -(lp * a - 0.5 * beta * lr.square())
+    return _finish(pg, m, w, opts, _kl_metric(lr, m))
 
 
-def _dppo_loss(
-    kind,
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    clip_ratio,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    w,
-    global_batch_info,
-):
-    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, w)
-    low, high = _bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+DPPO_OPTIONS = CLIP, {"clip_ratio_c": 3.0}, aggregated()
+
+
+def _dppo_loss(kind, logp, old_logp, advantages, mask, opts):
+    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, opts.rollout_is_weights)
+    low, high = _bounds(opts)
     lr = lp - old
     ratio = _clamped_ratio(lr)
-    truncated = ratio.clamp(max=clip_ratio_c).detach()
+    truncated = ratio.clamp(max=opts.clip_ratio_c).detach()
     p, p_old = torch.exp(lp), torch.exp(old)
     if kind == "tv":
         pos, neg = (p - p_old) <= high, (p - p_old) >= -low
@@ -103,97 +82,34 @@ def _dppo_loss(
         pos, neg = (kl <= high) | (p <= p_old), (kl <= low) | (p >= p_old)
     valid = torch.where(a > 0, pos, neg).detach().to(lp.dtype)
     pg = -a * truncated * lp * valid
-    metrics = {
-        "actor/pg_clipfrac": masked_mean(1.0 - valid, m),
-        **_kl_metric(lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), m),
-        "actor/pg_clipfrac_lower": masked_mean((ratio > clip_ratio_c) * valid, m),
-    }
-    return _finish(pg, m, w, loss_agg_mode, global_batch_info, metrics)
+    kl_lr = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    metrics = _pg_metrics(m, 1.0 - valid, kl_lr, (ratio > opts.clip_ratio_c) * valid)
+    return _finish(pg, m, w, opts, metrics)
 
 
-def dppo_tv_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    clip_ratio=0.2,
-    clip_ratio_low=None,
-    clip_ratio_high=None,
-    clip_ratio_c=3.0,
-    loss_agg_mode="token-mean",
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+@with_options(*DPPO_OPTIONS)
+def dppo_tv_loss(logp, old_logp, advantages, mask, opts):
     """DPPO-Binary-TV: L = −a·sg(min(r, c))·M·logp, M keeps a > 0 where p − p_old ≤ δ_high and
     a ≤ 0 where p − p_old ≥ −δ_low (δ = clip_ratio_*, r from l clamped ±20)."""
-    return _dppo_loss(
-        "tv",
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        clip_ratio,
-        clip_ratio_low,
-        clip_ratio_high,
-        clip_ratio_c,
-        loss_agg_mode,
-        rollout_is_weights,
-        global_batch_info,
-    )
+    return _dppo_loss("tv", logp, old_logp, advantages, mask, opts)
 
 
-def dppo_kl_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    clip_ratio=0.2,
-    clip_ratio_low=None,
-    clip_ratio_high=None,
-    clip_ratio_c=3.0,
-    loss_agg_mode="token-mean",
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+@with_options(*DPPO_OPTIONS)
+def dppo_kl_loss(logp, old_logp, advantages, mask, opts):
     """DPPO-Binary-KL: as dppo_tv with M from the binary KL D = p_old(old − logp) +
     (1 − p_old)·log((1 − p_old + 1e-8)/(1 − p + 1e-8)): a > 0 kept where D ≤ δ_high or
     p ≤ p_old, a ≤ 0 where D ≤ δ_low or p ≥ p_old."""
-    return _dppo_loss(
-        "kl",
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        clip_ratio,
-        clip_ratio_low,
-        clip_ratio_high,
-        clip_ratio_c,
-        loss_agg_mode,
-        rollout_is_weights,
-        global_batch_info,
-    )
+    return _dppo_loss("kl", logp, old_logp, advantages, mask, opts)
 
 
-def kl_cov_loss(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    kl_cov_ratio=0.0002,
-    ppo_kl_coef=0.1,
-    loss_agg_mode="token-mean",
-    rollout_is_weights=None,
-    global_batch_info=None,
-):
+@with_options({"kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1}, aggregated())
+def kl_cov_loss(logp, old_logp, advantages, mask, opts):
     """KL-Cov: L = −a·r (r = e^(logp − old), no clip), and −a·r + c·|logp − old| on the
     max(⌊ρ·n⌋, 1) unmasked tokens of largest cov = (a − mean a)(logp − mean logp) (means over
     the n unmasked tokens; torch.topk's choice, as verl)."""
-    if not kl_cov_ratio > 0:
-        raise ValueError(f"kl_cov_ratio: expected a number > 0; got {kl_cov_ratio!r}")
-    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, rollout_is_weights)
+    if not opts.kl_cov_ratio > 0:
+        raise ValueError(f"kl_cov_ratio: expected a number > 0; got {opts.kl_cov_ratio!r}")
+    lp, old, a, m, w = _prepare(logp, old_logp, advantages, mask, opts.rollout_is_weights)
     lr = lp - old
     pg = -a * torch.exp(lr)
     valid = m > 0
@@ -203,11 +119,11 @@ def kl_cov_loss(
         av, lv = a.expand_as(lp)[valid].detach(), lp[valid].detach()
         cov = (av - av.mean()) * (lv - lv.mean())
         chosen = torch.zeros(n, dtype=torch.bool, device=lp.device)
-        chosen[torch.topk(cov, max(1, int(n * kl_cov_ratio)), largest=True).indices] = True
+        chosen[torch.topk(cov, max(1, int(n * opts.kl_cov_ratio)), largest=True).indices] = True
         top = top.masked_scatter(valid, chosen)
-    pg = torch.where(top, pg + ppo_kl_coef * lr.abs(), pg)
+    pg = torch.where(top, pg + opts.ppo_kl_coef * lr.abs(), pg)
     metrics = {"actor/ppo_kl": masked_mean(lr.abs(), m)}
-    return _finish(pg, m, w, loss_agg_mode, global_batch_info, metrics)
+    return _finish(pg, m, w, opts, metrics)
 
 
 POLICY_LOSSES = {
