@@ -442,3 +442,17 @@ def test_forked_case_leaves_no_leaked_semaphore(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["row", "0"]
     assert "leaked semaphore" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_zero_flag_stays_in_the_recorded_command():
+    """Regression: `command()` tested `value in (None, False)`, and 0 == False dropped
+    `--warmup 0` from meta.json's command."""
+    import argparse
+
+    from fgrpo_kernels.benchmarks.cli import add_arguments, command
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    recorded = command(p.parse_args(["--warmup", "0", "--quick"]))
+    assert "--warmup 0" in recorded and "--quick" in recorded
+    assert "--repeats" not in command(p.parse_args([]))

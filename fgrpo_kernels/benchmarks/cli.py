@@ -176,7 +176,8 @@ def command(args) -> str:
     """The `fgrpo bench` command line that `args` came from (defaults left out)."""
     parts = ["fgrpo", "bench"]
     for key, value in vars(args).items():
-        if value in (None, False) or (key, value) == ("isolation", "fork"):
+        # `is`, not `in (None, False)`: 0 == False, and `--warmup 0` must stay in the command
+        if value is None or value is False or (key, value) == ("isolation", "fork"):
             continue
         parts.append("--" + key.replace("_", "-"))
         if value is not True:
