@@ -17,7 +17,7 @@ PACKAGE = "fgrpo_kernels"
 # Dependency order, bottom first (docs/architecture.md draws it). A module's layer is that of the
 # longest entry that prefixes its dotted name below the package ("core.options" before "core").
 LAYERS = [
-    ("core", "core.validation", "core.divergences", "divergences"),
+    ("core", "core.validation", "core.divergences", "divergences", "core.policy_terms"),
     ("core.options",),
     ("core.grpo_math", "core.kl_estimators", "core.rollout_sources", "core.rollout_correction"),
     ("core.reference", "reference"),

@@ -18,7 +18,20 @@ from dataclasses import dataclass
 import torch
 
 from .divergences import sat_exp
-from .options import LOSS_TYPE_SPECS, GRPOOptions, Level, LossType, Normaliser, Objective
+from .options import LOSS_TYPE_SPECS, GRPOOptions, Level, LossType, Normaliser
+
+# the table lives in policy_terms; its names stay importable from here
+from .policy_terms import (  # noqa: F401
+    POLICY_TERMS,
+    PolicyTerm,
+    _capped_tokens,
+    _cispo,
+    _clipped,
+    _clipped_tokens,
+    _never,
+    _plain,
+    _sapo,
+)
 
 VESPO_LOG_W_MIN = math.log(1e-8)  # TRL clamps log w_seq (and each log ρ) to [ln 1e-8, 20]
 VESPO_LOG_W_MAX = 20.0
@@ -66,73 +79,6 @@ def as_2d(ratio: torch.Tensor | None) -> torch.Tensor | None:
 
 
 # ----------------------------------------------------------------------------- policy term
-
-
-def _clipped(logps, w, a, opts: GRPOOptions) -> torch.Tensor:
-    unclipped = w if opts.delta is None else w.clamp(max=opts.delta)
-    clipped = w.clamp(1.0 - opts.epsilon_low, 1.0 + opts.epsilon_high)
-    pt = -torch.minimum(unclipped * a, clipped * a)
-    if opts.clip_ratio_c is not None:
-        pt = torch.where(a < 0, torch.minimum(pt, -a * opts.clip_ratio_c), pt)
-    return pt
-
-
-def _cispo(logps, w, a, opts: GRPOOptions) -> torch.Tensor:
-    return -(w.clamp(max=opts.epsilon_high).detach() * a) * logps
-
-
-def _sapo(logps, w, a, opts: GRPOOptions) -> torch.Tensor:
-    tau = torch.where(a > 0, w.new_tensor(opts.sapo_temperature_pos),
-                      w.new_tensor(opts.sapo_temperature_neg))  # fmt: skip
-    return -a * torch.sigmoid(tau * (w - 1.0)) * (4.0 / tau)
-
-
-def _plain(logps, w, a, opts: GRPOOptions) -> torch.Tensor:
-    return -a * logps
-
-
-def _clipped_tokens(ratio, a, opts: GRPOOptions):
-    low = (ratio < 1.0 - opts.epsilon_low) & (a < 0)
-    return low, (ratio > 1.0 + opts.epsilon_high) & (a > 0)
-
-
-def _capped_tokens(ratio, a, opts: GRPOOptions):
-    return None, (ratio > opts.epsilon_high) & (a > 0)
-
-
-def _never(ratio, a, opts: GRPOOptions):
-    return None, None
-
-
-@dataclass(frozen=True)
-class PolicyTerm:
-    """One GRPO policy term: its per-token formula `term(logps, w, a, opts)` (w = exp(log
-    ratio), a the advantage [B, 1]; autograd gives its gradient), the tokens it clips
-    `clips(ratio, a, opts) -> (low | None, high | None)` (bools), the metrics those feed
-    (`metrics.py`), the ratio bounds the Triton epilogue takes, and the id of its branch there
-    (`backends/triton/epilogue_grpo.py`). `sequence_weight`: its detached row weight is a
-    statistic of whole sequences (VESPO's φ), which also takes the IS ratio in."""
-
-    term: object
-    clips: object
-    triton_id: int
-    clip_metrics: str = ""  # "trl": clip_ratio/*; "cispo": cispo_clip_ratio; "": none
-    raw_cap: bool = False  # the Triton bounds are (0, ε_high), not [1 − ε_low, 1 + ε_high]
-    sequence_weight: bool = False
-
-
-# The docs/math.md formulas, one entry per objective; a new term is one entry here (and its
-# Triton branch, `triton_id`).
-POLICY_TERMS: dict[Objective, PolicyTerm] = {
-    # −min(min(w, δ)·a, clip(w, 1 − ε_low, 1 + ε_high)·a), capped at −a·c for a < 0
-    Objective.CLIPPED: PolicyTerm(_clipped, _clipped_tokens, 0, clip_metrics="trl"),
-    # −sg(min(w, ε_high))·a·logp
-    Objective.CISPO: PolicyTerm(_cispo, _capped_tokens, 1, clip_metrics="cispo", raw_cap=True),
-    # −a·(4/τ)·σ(τ(w − 1)), τ = τ₊ for a > 0 else τ₋
-    Objective.SAPO: PolicyTerm(_sapo, _never, 2),
-    # −a·logp, times its detached gamma weight φ of the sequence (a row weight)
-    Objective.VESPO: PolicyTerm(_plain, _never, 3, sequence_weight=True),
-}
 
 
 def policy_term(logps, lr, advantages, opts: GRPOOptions) -> torch.Tensor:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from . import validation as check
 from .divergences import Divergence, get_divergence
+from .policy_terms import Objective
 
 
 class Level(enum.IntEnum):
@@ -49,16 +50,6 @@ class LossType(enum.IntEnum):
     CISPO = 5
     SAPO = 6
     VESPO = 7
-
-
-class Objective(enum.IntEnum):
-    """The per-token policy term of a loss type (docs/math.md, "The GRPO family"); the integer
-    is the constexpr the Triton epilogue sees."""
-
-    CLIPPED = 0  # PPO's clipped surrogate −min(w·a, clip(w)·a); delta and clip_ratio_c apply
-    CISPO = 1  # −sg(min(w, ε_high))·a·logp
-    SAPO = 2  # −a·(4/τ)·σ(τ(w − 1)), τ by the sign of a
-    VESPO = 3  # −sg(φ(w_seq))·a·logp, φ the gamma weight of the sequence ratio
 
 
 class Normaliser(enum.IntEnum):
