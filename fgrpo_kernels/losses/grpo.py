@@ -149,12 +149,12 @@ class FusedLinearGRPOLoss(FusedLoss):
         self.use_ref_model = bool(use_ref_model)
         self.rollout_correction = rollout.parse(rollout_correction)
         self.opts = GRPOOptions.parse(
-            loss_type,
-            beta,
-            epsilon_low,
-            epsilon_high,
-            importance_sampling_level,
-            max_completion_length,
+            loss_type=loss_type,
+            beta=beta,
+            epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high,
+            importance_sampling_level=importance_sampling_level,
+            max_completion_length=max_completion_length,
             **with_parsed_penalty(options),
         )
 
