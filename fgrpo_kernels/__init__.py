@@ -8,21 +8,18 @@ from .core import reference
 from .core.divergences import Divergence
 from .core.reference import group_normalize
 from .head.logprobs import fused_linear_logprobs
-from .losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss
-from .losses.packed import PackedLoss
-from .losses.policy import FusedLinearPolicyLoss
-from .losses.preference import FusedLinearFDOLoss, FusedLinearFHALLoss
+
+# the loss modules, exported below as `losses.__all__` lists them
+from .losses import FusedLinearFGRPOLoss, FusedLinearGIFTLoss, FusedLinearGRPOLoss  # noqa: F401
+from .losses import __all__ as _losses
+from .losses.packed import PackedLoss  # noqa: F401
+from .losses.policy import FusedLinearPolicyLoss  # noqa: F401
+from .losses.preference import FusedLinearFDOLoss, FusedLinearFHALLoss  # noqa: F401
 
 __all__ = [
     "Divergence",
     "VocabParallel",
-    "FusedLinearFDOLoss",
-    "FusedLinearFGRPOLoss",
-    "FusedLinearFHALLoss",
-    "FusedLinearGIFTLoss",
-    "FusedLinearGRPOLoss",
-    "FusedLinearPolicyLoss",
-    "PackedLoss",
+    *_losses,
     "__version__",
     "cpu_backend",
     "fused_linear_logprobs",

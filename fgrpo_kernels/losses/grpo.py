@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..backends import distributed
@@ -14,6 +16,9 @@ from ..head.batch import Batch
 from ..head.options import split
 from . import epilogue, metrics, rollout, single_pass
 from .pipeline import FusedLoss, LossStep
+
+# (old, ref, mask, advantages, ratio, sampling, norms, opts) of a `GRPOStep`
+_INPUTS = operator.attrgetter("old", "ref", "mask", "adv", "ratio", "sampling", "norms", "opts")
 
 
 def _detached(t):
@@ -65,34 +70,17 @@ class GRPOStep(LossStep):
             return single_pass.RETURNED_ENTROPY
         if self.opts.entropy_mask:
             return single_pass.ENTROPY_MASK
-        return single_pass.grpo(
-            self.old,
-            self.ref,
-            self.mask,
-            self.adv,
-            self.ratio,
-            self.sampling,
-            self.norms,
-            self.opts,
-        )
+        return single_pass.grpo(*self.inputs())
+
+    def inputs(self) -> tuple:
+        """The epilogue's and the single pass's arguments after the log-probs (and entropy)."""
+        return _INPUTS(self)
 
     def two_pass(self, logps, ent):
         if self.opts.entropy_mask:  # its threshold is a quantile of the batch's entropies
             threshold = self.module.entropy_threshold(ent, self.mask)
             self.norms = self.normalisers(ent.detach(), threshold)
-        return EpilogueFunction.apply(
-            logps,
-            epilogue.grpo,
-            ent,
-            self.old,
-            self.ref,
-            self.mask,
-            self.adv,
-            self.ratio,
-            self.sampling,
-            self.norms,
-            self.opts,
-        )
+        return EpilogueFunction.apply(logps, epilogue.grpo, ent, *self.inputs())
 
     def metrics(self, loss, logps, ent):
         return metrics.grpo(
@@ -161,12 +149,12 @@ class FusedLinearGRPOLoss(FusedLoss):
         self.use_ref_model = bool(use_ref_model)
         self.rollout_correction = rollout.parse(rollout_correction)
         self.opts = GRPOOptions.parse(
-            loss_type,
-            beta,
-            epsilon_low,
-            epsilon_high,
-            importance_sampling_level,
-            max_completion_length,
+            loss_type=loss_type,
+            beta=beta,
+            epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high,
+            importance_sampling_level=importance_sampling_level,
+            max_completion_length=max_completion_length,
             **with_parsed_penalty(options),
         )
 

@@ -19,18 +19,14 @@ docs/math.md §7). A DTensor weight or bias (FSDP2) is gathered once per call.
 
 from __future__ import annotations
 
+# ruff: noqa: F401  (re-exports: `__all__` below is derived from the package's)
+from . import __all__ as _package
 from .fgrpo import FusedLinearFGRPOLoss
 from .gift import FusedLinearGIFTLoss
 from .grpo import FusedLinearGRPOLoss
 from .pipeline import FusedLoss, LossStep
 from .preference import FusedLinearFDOLoss, FusedLinearFHALLoss
 
-__all__ = [
-    "FusedLinearFDOLoss",
-    "FusedLinearFGRPOLoss",
-    "FusedLinearFHALLoss",
-    "FusedLinearGIFTLoss",
-    "FusedLinearGRPOLoss",
-    "FusedLoss",
-    "LossStep",
-]
+# the families this module held first (grpo, fgrpo, gift, preference) and the pipeline's bases
+__all__ = [n for n in _package if n not in ("FusedLinearPolicyLoss", "PackedLoss")]
+__all__ += ["FusedLoss", "LossStep"]
