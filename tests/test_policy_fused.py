@@ -198,6 +198,12 @@ def test_return_entropy_and_the_entropy_mask_of_gspo_token():
             "lower",
         ),
         (lambda: FusedLinearPolicyLoss("vanilla", kl_penalty="k9"), ValueError, "^kl_penalty"),
+        # regression: dro without dro_beta used to pass the constructor and fail at forward
+        (
+            lambda: FusedLinearPolicyLoss("dro"),
+            TypeError,
+            "^dro_beta: loss_mode='dro' requires it",
+        ),
         (
             lambda: FusedLinearPolicyLoss("vanilla", loss_agg_mode="mean"),
             ValueError,

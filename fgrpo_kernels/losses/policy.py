@@ -63,6 +63,16 @@ class Variant:
     def takes(self, name: str) -> bool:
         return name in self.parameters()
 
+    def required(self) -> tuple[str, ...]:
+        """The options without a default (dro's dro_beta): the constructor must get them."""
+        params = self.parameters()
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return tuple(
+            k
+            for k in self.options()
+            if params[k].kind in named and params[k].default is inspect.Parameter.empty
+        )
+
 
 BATCH_WIDE = "its {} is a statistic of the whole batch's current log-probs"
 VERL_LOCALITY = {
@@ -264,6 +274,11 @@ class FusedLinearPolicyLoss(FusedLoss):
             raise TypeError(
                 f"{unknown[0]}: not an option of loss_mode={self.loss_mode!r}; expected one of "
                 f"{', '.join(valid)}"
+            )
+        missing = [k for k in self.variant.required() if k not in options]
+        if missing:
+            raise TypeError(
+                f"{missing[0]}: loss_mode={self.loss_mode!r} requires it (it has no default)"
             )
         return dict(options)
 
