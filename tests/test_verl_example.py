@@ -103,27 +103,52 @@ assert sys.argv[1:3] == ["-m", "verl.trainer.main_ppo"], sys.argv[:3]
 config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 with initialize_config_dir(config_dir=config_dir, version_base=None):
     cfg = compose("ppo_trainer", overrides=sys.argv[3:])
-print(json.dumps(OmegaConf.to_container(cfg.actor_rollout_ref.model, resolve=False)))
+if os.environ.get("COMPOSE_PART") == "fgrpo":
+    print(json.dumps({"loss_mode": cfg.actor_rollout_ref.actor.policy_loss.loss_mode,
+                      "adv_estimator": cfg.algorithm.adv_estimator}))
+else:
+    print(json.dumps(OmegaConf.to_container(cfg.actor_rollout_ref.model, resolve=False)))
 """
 
 
-def test_launch_script_composes_with_verls_config(tmp_path):
-    """Every override of examples/verl/run_grpo_fgrpo.sh is a key of verl 0.9.1's trainer
-    config, and the result turns our backend on (the script itself needs GPUs, Ray, vLLM)."""
+def _compose_launch(tmp_path, **env_extra):
     (tmp_path / "compose.py").write_text(COMPOSE)
     shim = tmp_path / "python3"
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "compose.py"}" "$@"\n')
     shim.chmod(0o755)
-    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", **env_extra}
     env.pop("STOCK", None)
     script = SCRIPT.parent / "run_grpo_fgrpo.sh"
-    done = subprocess.run(
+    return subprocess.run(
         ["bash", str(script), "trainer.total_epochs=1"],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_launch_script_with_loss_is_an_fgrpo_run(tmp_path):
+    """LOSS=fgrpo_js: verl's composed config picks our policy loss and advantage estimator."""
+    done = _compose_launch(tmp_path, LOSS="fgrpo_js", COMPOSE_PART="fgrpo")
+    assert done.returncode == 0, done.stderr[-3000:]
+    chosen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert chosen == {"loss_mode": "fgrpo_js", "adv_estimator": "fgrpo"}
+
+
+def test_smoke_run_with_an_fgrpo_loss_passes(tmp_path):
+    done, results = _smoke(tmp_path, "--layout", "rmpad", "--loss-mode", "fgrpo_pearson")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert results and all(r["loss_mode"] == "fgrpo_pearson" for r in results)
+    for r in results:
+        assert math.isfinite(r["metrics"]["actor/pg_loss"]) and not r["failures"]
+        assert r["head_calls_update"] > 0
+
+
+def test_launch_script_composes_with_verls_config(tmp_path):
+    """Every override of examples/verl/run_grpo_fgrpo.sh is a key of verl 0.9.1's trainer
+    config, and the result turns our backend on (the script itself needs GPUs, Ray, vLLM)."""
+    done = _compose_launch(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     model = json.loads(done.stdout.strip().splitlines()[-1])
     assert model["external_lib"] == "fgrpo_kernels.integrations.verl_enable"

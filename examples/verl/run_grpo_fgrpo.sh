@@ -16,6 +16,8 @@
 # Usage: bash examples/verl/run_grpo_fgrpo.sh [more verl overrides]
 #   MODEL, TRAIN, VAL: the model and the parquet files (verl's examples/data_preprocess/gsm8k.py)
 #   STOCK=/path/to/verl/examples/grpo_trainer/run_qwen2-7b.sh: run the stock script instead
+#   LOSS=fgrpo_pearson (or any fgrpo_<div> / fgrpo_<div>_seq): an f-GRPO run, i.e. two more
+#     lines, our policy loss and our advantage estimator (Hydra: the later override wins)
 set -euo pipefail
 
 FGRPO_LINES=(
@@ -23,6 +25,12 @@ FGRPO_LINES=(
     actor_rollout_ref.model.use_fused_kernels=True
     actor_rollout_ref.model.fused_kernel_options.impl_backend=fgrpo
 )
+if [[ -n "${LOSS:-}" ]]; then
+    FGRPO_LINES+=(
+        actor_rollout_ref.actor.policy_loss.loss_mode="$LOSS"
+        algorithm.adv_estimator=fgrpo
+    )
+fi
 if [[ -n "${STOCK:-}" ]]; then
     exec bash "$STOCK" "${FGRPO_LINES[@]}" "$@"
 fi
