@@ -175,6 +175,14 @@ class Plan:
         dlogp = torch.empty((B, T), dtype=torch.float32, device=device)
         return Plan(grid, dlogp, torch.empty(grid[0], dtype=torch.float32, device=device), meta)
 
+    def group_args(self, rows: int, opts) -> tuple:
+        """The launch arguments (dlogp, partial, B, T, ROWS, beta, eps, var_dof), in this order,
+        of the kernels that z-score per group of `rows` rows (f-GRPO, GIFT): opts.beta,
+        opts.eps and the variance denominator of opts.unbiased."""
+        B, T = self.dlogp.shape
+        beta, eps, var_dof = float(opts.beta), float(opts.eps), dof(rows, opts.unbiased)
+        return self.dlogp, self.partial, B, T, rows, beta, eps, var_dof
+
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, dL/dlogp): the partial sums added in torch (deterministic, no atomics)."""
         return self.partial.sum(), self.dlogp
