@@ -36,17 +36,25 @@ def gpg_loss(logp, old_logp, advantages, mask, opts):
     return _finish(-lp * a, m, w, opts, {})
 
 
+def uid_groups(index, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's `uid` (one hashable group id per row) as (group [B] int64, numbered in order of
+    first appearance, and count [G], rows per group, of `like`'s dtype and device)."""
+    ids = {}
+    group = torch.tensor(
+        [ids.setdefault(i, len(ids)) for i in list(index)], dtype=torch.long, device=like.device
+    )
+    ones = torch.ones(group.shape[0], dtype=like.dtype, device=like.device)
+    count = torch.zeros(len(ids), dtype=like.dtype, device=like.device).index_add_(0, group, ones)
+    return group, count
+
+
 @torch.no_grad()
 def gpg_advantages(rewards, mask, index, f_norm=1.0):
     """verl's `compute_gpg_outcome_advantage`: R_i = Σ_t rewards (rewards [B, T], or [B]),
     a_i = α(R_i − mean of R over i's group) / f_norm, α = B / max(#{R ≠ 0}, 1); a group of one
     has mean 0. `index` [B]: any hashable group ids. Returns a·mask [B, T]."""
     scores = rewards.sum(-1) if rewards.dim() == 2 else rewards.clone()
-    ids = {}
-    group = torch.tensor([ids.setdefault(i, len(ids)) for i in list(index)], device=scores.device)
-    count = torch.zeros(len(ids), dtype=scores.dtype, device=scores.device).index_add_(
-        0, group, torch.ones_like(scores)
-    )
+    group, count = uid_groups(index, scores)
     total = torch.zeros_like(count).index_add_(0, group, scores)
     mean = torch.where(count > 1, total / count, 0.0)[group]
     alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1)

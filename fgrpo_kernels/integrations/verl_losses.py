@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from ..core.divergences import NAMES, phi
+from ..core.grpo_math import masked_mean
+from ..core.policy_variants_verl_pg import uid_groups
+from ..core.reference import compute_dtype
 
 PREFIX = "fgrpo_"
 TOKEN_MODES = {f"{PREFIX}{name}": name for name in NAMES}
@@ -104,16 +106,16 @@ def fgrpo_policy_loss(
     batch_info = dict(config.global_batch_info or {})
     mask = response_mask.to(log_prob.dtype)
     diff = torch.where(response_mask.bool(), log_prob - old_log_prob.to(log_prob.dtype), 0.0)
-    metrics = {"actor/ppo_kl": _masked_mean(-diff, mask).item()}
+    metrics = {"actor/ppo_kl": _mean(-diff, mask)}
     if level == "token":
         a = advantages.to(log_prob.dtype)
         r = beta * diff
-        cost = a.abs() * phi(r, a > 0, divergence)
+        cost = _cost(a, r, divergence)
         if rollout_is_weights is not None:
             cost = cost * rollout_is_weights.to(cost.dtype)
         loss = agg_loss(loss_mat=cost, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
                         **batch_info)  # fmt: skip
-        metrics["actor/fgrpo_reward"] = _masked_mean(r, mask).item()
+        metrics["actor/fgrpo_reward"] = _mean(r, mask)
         return loss, metrics
     if loss_agg_mode not in SEQUENCE_AGG_MODES:
         raise ValueError(
@@ -121,19 +123,20 @@ def fgrpo_policy_loss(
             f"{', '.join(SEQUENCE_AGG_MODES)}; got {loss_agg_mode!r}"
         )
     lengths = mask.sum(-1)
+    length = lengths.clamp(min=1.0)  # L_i, 1 for an empty row
     r = beta * diff.sum(-1)
-    a = (advantages.to(log_prob.dtype) * mask).sum(-1) / lengths.clamp(min=1.0)
-    cost = a.abs() * phi(r, a > 0, divergence)
+    a = (advantages.to(log_prob.dtype) * mask).sum(-1) / length
+    cost = _cost(a, r, divergence)
     if rollout_is_weights is not None:
         w = rollout_is_weights.to(cost.dtype)
-        cost = cost * (w * mask).sum(-1) / lengths.clamp(min=1.0)
+        cost = cost * (w * mask).sum(-1) / length
     # one cost per sequence, spread as cost/L_i over its tokens so that verl's seq-mean of
     # token sums gives the mean over the non-empty sequences exactly (its global_batch_size
     # under data parallelism); seq-mean-token-mean would divide by L_i + 1e-8 instead
-    loss_mat = (cost / lengths.clamp(min=1.0))[:, None].expand_as(mask)
+    loss_mat = (cost / length)[:, None].expand_as(mask)
     loss = agg_loss(loss_mat=loss_mat, loss_mask=response_mask,
                     loss_agg_mode="seq-mean-token-sum", **batch_info)  # fmt: skip
-    metrics["actor/fgrpo_reward"] = _masked_mean(r, (lengths > 0).to(r.dtype)).item()
+    metrics["actor/fgrpo_reward"] = _mean(r, lengths > 0)
     return loss, metrics
 
 
@@ -152,17 +155,11 @@ def fgrpo_advantage(
         raise ValueError(
             f"uid: expected one per sequence ({token_level_rewards.shape[0]}); got {len(index)}"
         )
-    scores = token_level_rewards.sum(-1)
-    dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
-    x = scores.to(dtype)
+    x = token_level_rewards.sum(-1)
+    x = x.to(compute_dtype(x))
     if not torch.isfinite(x).all():
         raise ValueError("token_level_rewards: expected finite rewards")
-    _, group = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
-    group = torch.as_tensor(group.reshape(-1), device=x.device)
-    n_groups = int(group.max()) + 1 if group.numel() else 0
-    count = torch.zeros(n_groups, dtype=dtype, device=x.device).index_add_(
-        0, group, torch.ones_like(x)
-    )
+    group, count = uid_groups(index, x)
     mean = torch.zeros_like(count).index_add_(0, group, x) / count
     centered = x - mean[group]
     by_std = True if config is None else bool(getattr(config, "norm_adv_by_std_in_grpo", True))
@@ -170,9 +167,14 @@ def fgrpo_advantage(
         ss = torch.zeros_like(count).index_add_(0, group, centered * centered)
         sigma = torch.sqrt(ss / (count - 1).clamp(min=1.0))
         centered = centered / (sigma[group] + ADV_EPS)
-    adv = centered[:, None] * response_mask.to(dtype)
+    adv = centered[:, None] * response_mask.to(x.dtype)
     return adv, adv
 
 
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return ((x * m).sum() / m.sum().clamp(min=1.0)).detach()
+def _mean(x: torch.Tensor, m: torch.Tensor) -> float:
+    return masked_mean(x.detach(), m).item()
+
+
+def _cost(a: torch.Tensor, r: torch.Tensor, divergence: str) -> torch.Tensor:
+    """f-GRPO's unit cost |a|·φ_{sign a}(r) (φ₊ where a > 0)."""
+    return a.abs() * phi(r, a > 0, divergence)
