@@ -117,4 +117,6 @@ def test_regression_backward_extra_memory_is_a_fixed_scratch():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=600, check=True, cwd=ROOT)  # fmt: skip
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["extra_mib"] < result["fp32_dh_mib"] / 2, result
+    # Bound at 3/4 of the fp32 dH: a clean-clone CI run (2026-12-07) read 16.07 MiB once, the
+    # bf16 dH (16 MiB) resident beside the scratch; the bug's 56.6 MiB and the fp32 dH still fail.
+    assert result["extra_mib"] < result["fp32_dh_mib"] * 3 / 4, result
