@@ -6,10 +6,13 @@ option sets that make a variant batch-wide, say why they take the two-pass path.
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+from fgrpo_kernels.backends import phases
 from fgrpo_kernels.head.autograd import select_backend
 from fgrpo_kernels.losses import single_pass
-from fgrpo_kernels.losses.policy import VARIANTS, FusedLinearPolicyLoss
+from fgrpo_kernels.losses.policy import VARIANTS, FusedLinearPolicyLoss, PolicyStep
 
 B, T, H, V = 4, 5, 8, 23
 LOCAL = sorted(n for n, v in VARIANTS.items() if not isinstance(v.locality, str))
@@ -20,7 +23,7 @@ OPTIONS = {
 }
 
 
-def inputs(seed=0):
+def inputs(seed=0, T=T, H=H):
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(B, T, H, generator=gen)
     w = torch.randn(V, H, generator=gen)
@@ -37,13 +40,14 @@ def inputs(seed=0):
     return h, w, ids, mask, adv, old, ref, rollout, keep
 
 
-def rows_of_bytes(rows: int) -> int:
+def rows_of_bytes(rows: int, H=H, dtype=torch.float32) -> int:
     """max_chunk_bytes for chunks of `rows` rows on the backend in use."""
-    return rows * select_backend(torch.device("cpu")).bytes_per_row(torch.empty(1, H), V)
+    row = select_backend(torch.device("cpu")).bytes_per_row(torch.empty(1, H, dtype=dtype), V)
+    return rows * row
 
 
-def run(name, max_chunk_bytes, seed=0, **options):
-    h, w, ids, mask, adv, old, ref, rollout, keep = inputs(seed)
+def run(name, max_chunk_bytes, seed=0, shape=(T, H), **options):
+    h, w, ids, mask, adv, old, ref, rollout, keep = inputs(seed, *shape)
     opts = {**OPTIONS.get(name, {}), **options}
     module = FusedLinearPolicyLoss(name, max_chunk_bytes=max_chunk_bytes, **opts)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -121,5 +125,122 @@ def test_batch_wide_variants_say_why_they_take_two_passes(name, options, reason)
 
 
 def test_a_sequence_longer_than_the_chunk_takes_two_passes():
+    """Where the open row's dW would take more than half of the budget (`open_rows`), and for a
+    variant whose gradient a row's number does not scale (GMPO with a KL term)."""
     last_pass = run("gspo", rows_of_bytes(3))[0]
-    assert last_pass == "two-pass: a sequence holds 5 tokens, more than a chunk of 3 rows"
+    assert last_pass == (
+        "two-pass: a sequence holds 5 tokens, more than a chunk of 3 rows, and the open row's dW "
+        f"({V * (H + 1) * 4} bytes) would take more than half of max_chunk_bytes={rows_of_bytes(3)}"
+    )
+    last_pass = run("gmpo", open_row_bytes(3), shape=OPEN, beta=0.05)[0]
+    assert last_pass == "two-pass: a sequence holds 13 tokens, more than a chunk of 7 rows"
+
+
+# ----------------------------------------------------------------------------- open rows
+
+SCALED = sorted(n for n, v in VARIANTS.items() if v.locality == single_pass.Locality.ROW)
+OPEN = (13, 3)  # T, H: sequences of up to 13 tokens, an open row's dW the size of 4 logit rows
+# without the KL term and entropy bonus that OPTIONS gives them (a token's own term: no open rows)
+UNSCALED = {"gmpo": {"beta": 0.0}, "gspo_token": {"beta": 0.0, "entropy_coef": 0.0}}
+
+
+def open_row_bytes(rows: int, dtype=torch.float32) -> int:
+    """max_chunk_bytes for an open row's dW and db plus chunks of `rows` rows, at H = OPEN[1]."""
+    H = OPEN[1]
+    return V * (H + 1) * torch.promote_types(dtype, torch.float32).itemsize + rows_of_bytes(
+        rows, H, dtype
+    )
+
+
+def phase_calls(fn):
+    """(fn(), {phase: calls}) with a CPU phase recorder installed."""
+    rec = phases.Recorder(cuda=False)
+    with phases.recording(rec):
+        out = fn()
+    return out, dict(rec.calls)
+
+
+@pytest.mark.parametrize("name", SCALED)
+@pytest.mark.parametrize("rows", [4, 6])
+def test_open_rows_equal_two_pass(backend, name, rows):
+    """Rows of 13 and 3 tokens in chunks of 4 or 6 rows: each long row's earlier pieces go into
+    the open row's dW unscaled and are folded in at its end; no piece runs twice."""
+    opts = UNSCALED.get(name, {})
+    single, calls = phase_calls(lambda: run(name, open_row_bytes(rows), shape=OPEN, **opts))
+    assert single[0] == "single"
+    assert calls.get("open_row_fold", 0) == 2 and "open_row_rerun" not in calls, calls
+    assert_same(single, run(name, 0, shape=OPEN, **opts))
+
+
+OPEN_ROW_OPTIONS = [
+    ("gspo", {"rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}}),
+    ("gspo_token", {"loss_type": "grpo", "delta": 1.2}),
+    ("gspo_token", {"loss_type": "dr_grpo", "max_completion_length": 13}),
+    ("gmpo", {"epsilon_high": 0.3, "gradient_accumulation_steps": 2}),
+    ("geo_mean", {"clip_ratio_low": 0.1, "clip_ratio_high": 0.3}),
+    ("gspo", {"loss_agg_mode": "seq-mean-token-sum", "clip_ratio": 0.1}),
+]
+
+
+@pytest.mark.parametrize("name, options", OPEN_ROW_OPTIONS)
+def test_open_rows_with_options(backend, name, options):
+    options = {**UNSCALED.get(name, {}), **options}
+    for seed in (0, 1):
+        single = run(name, open_row_bytes(4), seed=seed, shape=OPEN, **options)
+        assert single[0] == "single"
+        assert_same(single, run(name, 0, seed=seed, shape=OPEN, **options))
+
+
+def test_regression_an_open_row_whose_gradient_is_not_scaled_runs_again(monkeypatch):
+    """The open row's fold is checked at the row's end: GMPO with a KL term (dL/dlogp = c_i·u_t
+    plus each token's own k3 term) flagged as scaled gets its earlier pieces run again with the
+    true gradient instead of a wrong fold. Row 3 has advantage 0: its gradient is the k3 term
+    alone, unchanged as the row goes on (r = 1), and is folded."""
+    monkeypatch.setattr(PolicyStep, "_row_scaled", lambda self: True)
+    single, calls = phase_calls(lambda: run("gmpo", open_row_bytes(4), shape=OPEN, beta=0.05))
+    assert single[0] == "single"
+    assert calls.get("open_row_rerun", 0) == 1 and calls.get("open_row_fold", 0) == 1, calls
+    assert_same(single, run("gmpo", 0, shape=OPEN, beta=0.05))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_open_rows_in_other_dtypes(backend, dtype):
+    """float64 (the open row's dW in float64) and bf16 (fp32 dW, bf16 dh scaled at the fold)."""
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton path takes float32, bfloat16 and float16")
+    h, w, ids, mask, adv, old, *_ = inputs(2, *OPEN)
+    out = []
+    for max_chunk_bytes in (open_row_bytes(4, dtype), 0):
+        module = FusedLinearPolicyLoss("gspo", max_chunk_bytes=max_chunk_bytes)
+        hh = h.to(dtype).requires_grad_()
+        ww = w.to(dtype).requires_grad_()
+        loss, _ = module(hh, ww, ids, mask, adv, old_per_token_logps=old.to(dtype))
+        out.append((module.last_pass, loss, *torch.autograd.grad(loss, (hh, ww))))
+    assert out[0][0] == "single" and out[1][0].startswith("two-pass")
+    tol = {torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+    for got, want in zip(out[0][1:], out[1][1:]):
+        torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+
+
+@given(
+    lengths=st.lists(st.integers(0, 13), min_size=4, max_size=4),
+    rows=st.integers(4, 9),
+    name=st.sampled_from(SCALED),
+    seed=st.integers(0, 2**16),
+)
+def test_open_rows_on_drawn_lengths(lengths, rows, name, seed):
+    """Any mix of row lengths (empty, shorter and longer than a chunk) and chunk sizes: the
+    single pass with open rows equals the two-pass path."""
+    h, w, ids, _, adv, old, *_ = inputs(seed, *OPEN)
+    mask = (torch.arange(OPEN[0]) < torch.tensor(lengths)[:, None]).float()
+    out = []
+    for max_chunk_bytes in (open_row_bytes(rows), 0):
+        module = FusedLinearPolicyLoss(
+            name, max_chunk_bytes=max_chunk_bytes, **UNSCALED.get(name, {})
+        )
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, _ = module(hh, ww, ids, mask, adv, old_per_token_logps=old)
+        out.append((module.last_pass, loss, *torch.autograd.grad(loss, (hh, ww))))
+    assert out[0][0] == "single"
+    for got, want in zip(out[0][1:], out[1][1:]):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)

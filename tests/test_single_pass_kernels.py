@@ -11,7 +11,7 @@ from fgrpo_kernels import reference as R
 from fgrpo_kernels.backends import triton as kernels
 from fgrpo_kernels.backends.cpu import chunked, cpp
 from fgrpo_kernels.core.options import LogProbOptions
-from fgrpo_kernels.losses.single_pass import Locality, plan_chunks
+from fgrpo_kernels.losses.single_pass import Locality, plan_chunks, plan_pieces
 from fgrpo_kernels.testing import rel_error
 
 BACKENDS = {"cpp": cpp, "chunked": chunked, "triton": kernels}
@@ -192,3 +192,25 @@ def test_plan_chunks_cover_the_tokens_and_split_no_unit(lengths, locality, G, ma
         bounds.add(max(bounds) + size)
     if per is not None:
         assert all(n1 in bounds for _, n1 in plan), (plan, bounds)
+
+
+@given(lengths=st.lists(st.integers(0, 30), min_size=1, max_size=12), max_rows=st.integers(1, 12))
+def test_plan_pieces_split_only_the_long_rows(lengths, max_rows):
+    """Contiguous chunks of at most max_rows tokens; a row that fits lies in one chunk of whole
+    rows; a longer row is cut into ⌈L/max_rows⌉ pieces of its own, balanced to one token."""
+    chunks, pieces = plan_pieces(lengths, max_rows)
+    assert len(chunks) == len(pieces)
+    assert [n0 for n0, _ in chunks] == [0, *(n1 for _, n1 in chunks)][: len(chunks)]
+    assert (chunks[-1][1] if chunks else 0) == sum(lengths)
+    assert all(0 < n1 - n0 <= max_rows for n0, n1 in chunks)
+    start = 0
+    for size in lengths:
+        row = (start, start + size)
+        mine = [k for k, (n0, n1) in enumerate(chunks) if n0 < row[1] and n1 > row[0]]
+        if size > max_rows:
+            assert [pieces[k] for k in mine] == [row] * -(-size // max_rows)
+            sizes = [chunks[k][1] - chunks[k][0] for k in mine]
+            assert sum(sizes) == size and max(sizes) - min(sizes) <= 1
+        elif size:
+            assert len(mine) == 1 and pieces[mine[0]] is None
+        start += size

@@ -147,7 +147,15 @@ class PolicyStep(LossStep):
             loss, self.extra = self.loss_of(lp, ent, corrected)
             return loss.detach()
 
-        return single_pass.ChunkedLoss(self.module.variant.locality, grad, value)
+        return single_pass.ChunkedLoss(self.module.variant.locality, grad, value,
+                                       scaled=self._row_scaled())  # fmt: skip
+
+    def _row_scaled(self) -> bool:
+        """The sequence-local variants' dL/dlogp_t is c_i·u_t (GSPO's clipped sequence ratio,
+        GMPO's geometric mean, times a token's mask, clip and weights); a KL term or an entropy
+        bonus adds a token-local term, which the single pass's open rows cannot scale."""
+        m = self.module
+        return m.kl_coef == 0.0 and not any(m.options.get(k, 0.0) for k in ("beta", "entropy_coef"))
 
     def _no_single_pass(self) -> str | None:
         m = self.module

@@ -81,12 +81,16 @@ class ChunkedLoss:
 
     `grad(rows, mask, logps, entropy)` → (dL/dlogp, dL/dentropy | None), each [b, T], for the
     batch rows `rows` (a slice of b rows) where `mask` marks the chunk's tokens only; `loss(logps,
-    entropy)` is the whole batch's value. `group` is G for `Locality.GROUP`."""
+    entropy)` is the whole batch's value. `group` is G for `Locality.GROUP`. `scaled` (at
+    `Locality.ROW`): a row's dL/dlogp and dL/dentropy are one number of the row times numbers of
+    each token alone (GSPO, GMPO), so a row longer than a chunk can run as open-row pieces
+    (`plan_pieces`; checked at the row's end, `_common_scale`)."""
 
     locality: Locality
     grad: Callable
     loss: Callable
     group: int = 1
+    scaled: bool = False
 
 
 def chunk_bytes(max_chunk_bytes: int | None, device: torch.device) -> int:
@@ -127,6 +131,34 @@ def plan_chunks(lengths: list[int], locality: Locality, group: int, max_rows: in
     return chunks
 
 
+def plan_pieces(lengths: list[int], max_rows: int):
+    """(chunks, pieces) for rows of which some are longer than `max_rows` tokens: whole rows
+    packed greedily as `plan_chunks` does, each longer row split into ⌈L/max_rows⌉ balanced
+    pieces, one chunk each; pieces[k] is the token range (u0, u1) of the row chunk k is a piece
+    of, or None where chunk k holds whole rows."""
+    chunks, pieces, n0, n1 = [], [], 0, 0
+    for size in lengths:
+        if size <= max_rows and n1 + size - n0 <= max_rows:
+            n1 += size
+            continue
+        if n1 > n0:
+            chunks.append((n0, n1))
+            pieces.append(None)
+        n0 = n1
+        if size <= max_rows:
+            n1 += size
+            continue
+        k = -(-size // max_rows)
+        cuts = [n0 + size * j // k for j in range(k + 1)]
+        chunks += list(zip(cuts[:-1], cuts[1:]))
+        pieces += [(n0, n0 + size)] * k
+        n0 = n1 = n0 + size
+    if n1 > n0:
+        chunks.append((n0, n1))
+        pieces.append(None)
+    return chunks, pieces
+
+
 def _row_span(starts: list[int], n0: int, n1: int, locality: Locality, group: int) -> slice:
     """The batch rows the tokens [n0, n1) lie in (`starts`: each row's first token), widened
     to whole groups at GROUP locality."""
@@ -155,17 +187,33 @@ def plan(hidden, weight, lengths: list[int], loss: ChunkedLoss | str, max_bytes:
         return f"one row of logits ({per_row} bytes) exceeds max_chunk_bytes={max_bytes}"
     chunks = plan_chunks(lengths, loss.locality, loss.group, max_rows)
     if isinstance(chunks, str):
-        return chunks
-    return backend, max_rows, chunks
+        return _open_rows(backend, hidden, V, lengths, loss, max_bytes, per_row, chunks)
+    return backend, max_rows, chunks, None
+
+
+def _open_rows(backend, hidden, V, lengths, loss, max_bytes, per_row, why):
+    """The plan of a `scaled` loss whose longest row exceeds a chunk: the open row's dW and db
+    (fp32 [V, H] and [V]) take their bytes out of the budget, at most half of it; else why not."""
+    if not (loss.scaled and loss.locality == Locality.ROW):
+        return why
+    acc = torch.promote_types(hidden.dtype, torch.float32).itemsize
+    open_bytes = V * (hidden.shape[-1] + 1) * acc
+    max_rows = (max_bytes - open_bytes) // per_row
+    if 2 * open_bytes > max_bytes or max_rows == 0:
+        return (f"{why}, and the open row's dW ({open_bytes} bytes) would take more than half "
+                f"of max_chunk_bytes={max_bytes}")  # fmt: skip
+    return (backend, max_rows, *plan_pieces(lengths, max_rows))
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The single pass as it will run: the backend, rows per chunk, the token ranges, the loss."""
+    """The single pass as it will run: the backend, rows per chunk, the token ranges, the pieces
+    of open rows (`plan_pieces`; None: every chunk holds whole units), the loss."""
 
     backend: object
     max_rows: int
     chunks: list
+    pieces: list | None
     loss: ChunkedLoss
 
     def __str__(self) -> str:
@@ -202,66 +250,188 @@ def execute(how: Plan, batch: Batch, head: HeadOptions, entropy: bool):
     check.logprob_inputs(rows, batch.weight, targets, batch.bias, head.temperature, -100)
     bias = None if batch.bias is None else batch.bias.contiguous()
     return run(how.backend, how.max_rows, how.chunks, rows, batch.weight.contiguous(), targets,
-               bias, head.logprob_options(), positions, batch.mask, how.loss, entropy)  # fmt: skip
+               bias, head.logprob_options(), positions, batch.mask, how.loss, entropy,
+               how.pieces)  # fmt: skip
 
 
 def run(backend, max_rows, chunks, hidden, weight, targets, bias, lp_opts: LogProbOptions,
-        positions, mask, loss: ChunkedLoss, entropy: bool):  # fmt: skip
+        positions, mask, loss: ChunkedLoss, entropy: bool, pieces=None):  # fmt: skip
     """(loss, logps [B, T], entropy [B, T] | None) through `SinglePassFunction`; `positions` are
-    the flat indices in [B·T] of the N tokens."""
+    the flat indices in [B·T] of the N tokens; `pieces` as `plan_pieces` gives them."""
     B, T = mask.shape
-    lengths = mask.bool().sum(-1).tolist()
-    starts = [0]
-    for n in lengths[:-1]:
-        starts.append(starts[-1] + n)
-
-    def scatter(x, rows: slice, local):
-        return x.new_zeros((rows.stop - rows.start) * T).index_copy_(0, local, x).view(-1, T)
 
     def sweep(h, w, b, needs):
-        N, H = h.shape
-        V = w.shape[0]
-        acc = torch.promote_types(h.dtype, torch.float32)
-        logits = backend.logits_buffer(min(max_rows, N), V, h)
-        logp = h.new_zeros(N, dtype=acc)
-        ent = h.new_zeros(N, dtype=acc) if entropy else None
-        dh = h.new_empty((N, H)) if needs[0] else None
-        # dh rows are formed in fp32 (`acc`): straight into dh when it is fp32, else via a buffer
-        dh_acc = None
-        if needs[0] and h.dtype != acc:
-            dh_acc = h.new_empty((min(max_rows, N), H), dtype=acc)
-        dw = h.new_zeros((V, H), dtype=acc) if needs[1] else None
-        db = h.new_zeros(V, dtype=acc) if needs[2] and b is not None else None
+        s = _Sweep(backend, max_rows, h, w, b, targets, lp_opts, needs, entropy, positions, mask,
+                   loss, pieces is not None)  # fmt: skip
         for k, (n0, n1) in enumerate(chunks):
-            buf = logits[: n1 - n0]
-            y = targets[n0:n1]
-            lp, lse, en = backend.logits_fwd(h[n0:n1], w, y, b, lp_opts, entropy, buf)
-            logp[n0:n1] = lp
-            if ent is not None:
-                ent[n0:n1] = en
-            rows = _row_span(starts, n0, n1, loss.locality, loss.group)
-            local = positions[n0:n1] - rows.start * T
-            m = scatter(torch.ones_like(lp, dtype=mask.dtype), rows, local)
-            with phases.phase("epilogue"):
-                en_rows = None if en is None else scatter(en, rows, local)
-                d_lp, d_en = loss.grad(rows, m, scatter(lp, rows, local), en_rows)
-            g = d_lp.reshape(-1).index_select(0, local).to(acc)
-            g_en = None if d_en is None else d_en.reshape(-1).index_select(0, local).to(acc)
-            d_h = None if dh is None else dh[n0:n1] if dh_acc is None else dh_acc[: n1 - n0]
-            backend.logits_bwd(buf, h[n0:n1], w, y, b, lse, en, g, g_en, lp_opts, d_h, dw, db,
-                               k > 0)  # fmt: skip
-            if dh_acc is not None:
-                dh[n0:n1] = d_h
-        whole = torch.zeros(B * T, dtype=acc, device=h.device)
-        logps = whole.index_copy(0, positions, logp).view(B, T)
-        ents = None if ent is None else whole.index_copy(0, positions, ent).view(B, T)
+            s.chunk(n0, n1, None if pieces is None else pieces[k])
+        whole = torch.zeros(B * T, dtype=s.acc, device=h.device)
+        logps = whole.index_copy(0, positions, s.logp).view(B, T)
+        ents = None if s.ent is None else whole.index_copy(0, positions, s.ent).view(B, T)
         value = loss.loss(logps, ents)
-        dw = None if dw is None else dw.to(w.dtype)
-        db = None if db is None else db.to(b.dtype)
-        return value, logps, ents, dh, dw, db
+        dw = None if s.dw is None else s.dw.to(w.dtype)
+        db = None if s.db is None else s.db.to(b.dtype)
+        return value, logps, ents, s.dh, dw, db
 
     value, logps, ents = SinglePassFunction.apply(hidden, weight, bias, sweep)
     return value, logps, ents if entropy else None
+
+
+class _Sweep:
+    """One single pass's state: the logits buffer, the log-probs, the gradients, and, with open
+    rows, the open row's dW and db.
+
+    A row longer than a chunk runs in pieces. Each piece but the last takes the provisional
+    dL/dlogp that `loss.grad` gives with the row's tokens so far live (the rest absent); where
+    the earlier tokens' provisional gradients are r times those stored for them
+    (`_common_scale`), the piece's, divided by r, go into the open row's dW and db and its dh
+    rows. At the last piece the row's true gradient is known: r once more, then dW += r·dW_open,
+    db += r·db_open, the earlier dh rows times r (for GSPO and GMPO, c_i·u_t: the row's
+    number times the token's own). Where no common r holds, the earlier pieces run again with
+    the true gradient (the two-pass cost for that row, not a wrong gradient)."""
+
+    def __init__(self, backend, max_rows, h, w, b, targets, lp_opts, needs, entropy, positions,
+                 mask, loss, open_rows):  # fmt: skip
+        N, H = h.shape
+        V = w.shape[0]
+        self.backend, self.h, self.w, self.b, self.y = backend, h, w, b, targets
+        self.opts, self.entropy, self.loss = lp_opts, entropy, loss
+        self.positions, self.mask = positions, mask
+        self.T = mask.shape[1]
+        self.starts = [0]
+        for n in mask.bool().sum(-1).tolist()[:-1]:
+            self.starts.append(self.starts[-1] + n)
+        self.acc = acc = torch.promote_types(h.dtype, torch.float32)
+        self.logits = backend.logits_buffer(min(max_rows, N), V, h)
+        self.logp = h.new_zeros(N, dtype=acc)
+        self.ent = h.new_zeros(N, dtype=acc) if entropy else None
+        self.dh = h.new_empty((N, H)) if needs[0] else None
+        # dh rows are formed in fp32 (`acc`): straight into dh when it is fp32, else via a buffer
+        self.dh_acc = None
+        if needs[0] and h.dtype != acc:
+            self.dh_acc = h.new_empty((min(max_rows, N), H), dtype=acc)
+        self.dw = h.new_zeros((V, H), dtype=acc) if needs[1] else None
+        self.db = h.new_zeros(V, dtype=acc) if needs[2] and b is not None else None
+        self.written = False  # dw, db hold a chunk's terms (else the next one overwrites them)
+        self.dw_open = None if self.dw is None or not open_rows else torch.empty_like(self.dw)
+        self.db_open = None if self.db is None or not open_rows else torch.empty_like(self.db)
+        # the open row: its earlier pieces, their gradients on the open dW's scale, and whether
+        # no common scale held (`chunk`)
+        self.pieces, self.stored, self.failed = [], [], False
+
+    def chunk(self, n0: int, n1: int, row: tuple[int, int] | None):
+        """Chunk [n0, n1): whole units (`row` None), or a piece of the row [u0, u1)."""
+        buf, lse, en = self.forward(n0, n1)
+        if row is None:
+            g, g_en = self.grads(n0, n1)
+            self.backward(buf, n0, n1, lse, en, g, g_en)
+            return
+        u0, u1 = row
+        if n0 == u0:
+            self.pieces, self.stored, self.failed = [], [], False
+        g, g_en = self.grads(u0, n1)  # the row so far live: at its last piece, its true gradient
+        r = 1.0 if n0 == u0 or self.failed else _common_scale(g, g_en, self.stored, n0 - u0)
+        g_p, g_en_p = g[n0 - u0 :], None if g_en is None else g_en[n0 - u0 :]
+        if n1 == u1:
+            self.backward(buf, n0, n1, lse, en, g_p, g_en_p)
+            self.close(u0, n0, None if self.failed else r, g, g_en)
+            return
+        self.pieces.append((n0, n1))
+        # this piece's gradient on the scale of the open row's dW
+        scaled = None if self.failed or r is None else _rescale(r, g_p, g_en_p)
+        if scaled is None:
+            self.failed = True  # no common scale: the earlier pieces run again at the row's end
+            return
+        self.backward(buf, n0, n1, lse, en, *scaled, opened=n0 > u0)
+        self.stored.append(scaled)
+
+    def forward(self, n0, n1):
+        buf = self.logits[: n1 - n0]
+        lp, lse, en = self.backend.logits_fwd(self.h[n0:n1], self.w, self.y[n0:n1], self.b,
+                                              self.opts, self.entropy, buf)  # fmt: skip
+        self.logp[n0:n1] = lp
+        if self.ent is not None:
+            self.ent[n0:n1] = en
+        return buf, lse, en
+
+    def grads(self, n0, n1):
+        """(dL/dlogp, dL/dentropy | None) [n1 − n0] of the tokens [n0, n1), from `loss.grad` on
+        the rows they lie in with those tokens alone live."""
+        T, loss = self.T, self.loss
+        rows = _row_span(self.starts, n0, n1, loss.locality, loss.group)
+        local = self.positions[n0:n1] - rows.start * T
+
+        def scatter(x):
+            return x.new_zeros((rows.stop - rows.start) * T).index_copy_(0, local, x).view(-1, T)
+
+        lp = self.logp[n0:n1]
+        m = scatter(torch.ones_like(lp, dtype=self.mask.dtype))
+        with phases.phase("epilogue"):
+            en = None if self.ent is None else scatter(self.ent[n0:n1])
+            d_lp, d_en = loss.grad(rows, m, scatter(lp), en)
+        g = d_lp.reshape(-1).index_select(0, local).to(self.acc)
+        g_en = None if d_en is None else d_en.reshape(-1).index_select(0, local).to(self.acc)
+        return g, g_en
+
+    def backward(self, buf, n0, n1, lse, en, g, g_en, opened=None):
+        """The chunk's dh rows and its dW, db terms: into dw, db, or with `opened` (True: the
+        open row has earlier pieces) into the open row's."""
+        d_h = None if self.dh is None else self.dh[n0:n1] if self.dh_acc is None else (
+            self.dh_acc[: n1 - n0])  # fmt: skip
+        if opened is None:
+            dw, db, accumulate = self.dw, self.db, self.written
+            self.written = True
+        else:
+            dw, db, accumulate = self.dw_open, self.db_open, opened
+        self.backend.logits_bwd(buf, self.h[n0:n1], self.w, self.y[n0:n1], self.b, lse, en, g,
+                                g_en, self.opts, d_h, dw, db, accumulate)  # fmt: skip
+        if self.dh_acc is not None:
+            self.dh[n0:n1] = d_h
+
+    def close(self, u0, n0, r, g, g_en):
+        """The end of the row [u0, ·) whose earlier pieces are [u0, n0): the open row's dW times
+        `r` into dW, or (r None) those pieces run again with `g`, `g_en`, the row's true
+        gradients from u0 on."""
+        if r is None:
+            with phases.phase("open_row_rerun"):
+                for p0, p1 in self.pieces:
+                    buf, lse, en = self.forward(p0, p1)
+                    ge = None if g_en is None else g_en[p0 - u0 : p1 - u0]
+                    self.backward(buf, p0, p1, lse, en, g[p0 - u0 : p1 - u0], ge)
+        else:
+            with phases.phase("open_row_fold"):
+                for acc, part in ((self.dw, self.dw_open), (self.db, self.db_open)):
+                    if acc is not None:
+                        acc.add_(part, alpha=r)
+                if self.dh is not None:
+                    self.dh[u0:n0] *= r
+        self.pieces, self.stored, self.failed = [], [], False
+
+
+def _common_scale(g, g_en, stored, early: int) -> float | None:
+    """r with (g, g_en) = r·(the stored provisional gradients) on the row's first `early` tokens,
+    each to 128 ulps, or None."""
+    y = g[:early] if g_en is None else torch.cat([g[:early], g_en[:early]])
+    x = torch.cat([s[0] for s in stored] + ([] if g_en is None else [s[1] for s in stored]))
+    if x.numel() != y.numel():
+        return None
+    x, y = x.double(), y.double()
+    den = float((x * x).sum())
+    r = float((x * y).sum()) / den if den > 0 else 0.0
+    # token by token: a row's outlier (a log-ratio of 30 in a KL term) must not hide the rest
+    tol = 128 * torch.finfo(g.dtype).eps * torch.maximum(y.abs(), (r * x).abs())
+    return r if bool(((y - r * x).abs() <= tol).all()) else None
+
+
+def _rescale(r: float, *grads):
+    """Each of `grads` (None stays None) divided by r; None where no one scale holds them and
+    the open row's dW: r is 0 and they are not, or the quotient overflows."""
+    if r == 0.0:
+        if any(g is not None and bool(g.any()) for g in grads):
+            return None
+        return tuple(None if g is None else torch.zeros_like(g) for g in grads)
+    out = tuple(None if g is None else g / r for g in grads)
+    return out if all(g is None or bool(g.isfinite().all()) for g in out) else None
 
 
 # ----------------------------------------------------------------------------- the losses
