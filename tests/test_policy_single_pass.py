@@ -130,10 +130,10 @@ def test_a_sequence_longer_than_the_chunk_takes_two_passes():
     last_pass = run("gspo", rows_of_bytes(3))[0]
     assert last_pass == (
         "two-pass: a sequence holds 5 tokens, more than a chunk of 3 rows, and the open row's dW "
-        f"({V * (H + 1) * 4} bytes) would take more than half of max_chunk_bytes={rows_of_bytes(3)}"
+        f"({V * H * 4} bytes) would take more than half of max_chunk_bytes={rows_of_bytes(3)}"
     )
     last_pass = run("gmpo", open_row_bytes(3), shape=OPEN, beta=0.05)[0]
-    assert last_pass == "two-pass: a sequence holds 13 tokens, more than a chunk of 7 rows"
+    assert last_pass == "two-pass: a sequence holds 13 tokens, more than a chunk of 6 rows"
 
 
 # ----------------------------------------------------------------------------- open rows
@@ -144,12 +144,11 @@ OPEN = (13, 3)  # T, H: sequences of up to 13 tokens, an open row's dW the size 
 UNSCALED = {"gmpo": {"beta": 0.0}, "gspo_token": {"beta": 0.0, "entropy_coef": 0.0}}
 
 
-def open_row_bytes(rows: int, dtype=torch.float32) -> int:
-    """max_chunk_bytes for an open row's dW and db plus chunks of `rows` rows, at H = OPEN[1]."""
+def open_row_bytes(rows: int, dtype=torch.float32, bias=False) -> int:
+    """max_chunk_bytes for an open row's dW (and db) plus chunks of `rows` rows, at H = OPEN[1]."""
     H = OPEN[1]
-    return V * (H + 1) * torch.promote_types(dtype, torch.float32).itemsize + rows_of_bytes(
-        rows, H, dtype
-    )
+    acc = torch.promote_types(dtype, torch.float32).itemsize
+    return V * (H + bias) * acc + rows_of_bytes(rows, H, dtype)
 
 
 def phase_calls(fn):
@@ -242,5 +241,22 @@ def test_open_rows_on_drawn_lengths(lengths, rows, name, seed):
         loss, _ = module(hh, ww, ids, mask, adv, old_per_token_logps=old)
         out.append((module.last_pass, loss, *torch.autograd.grad(loss, (hh, ww))))
     assert out[0][0] == "single"
+    for got, want in zip(out[0][1:], out[1][1:]):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_open_rows_with_a_bias(backend):
+    """The open row keeps db too (its bytes charged to the budget): the bias's gradient folds
+    like the weight's, and a budget without room for it takes the two-pass path."""
+    h, w, ids, mask, adv, old, *_ = inputs(3, *OPEN)
+    bias = torch.randn(V)
+    out = []
+    for max_chunk_bytes in (open_row_bytes(4, bias=True), 0, 2 * open_row_bytes(0) + 1):
+        module = FusedLinearPolicyLoss("geo_mean", max_chunk_bytes=max_chunk_bytes)
+        hh, ww, bb = (t.clone().requires_grad_() for t in (h, w, bias))
+        loss, _ = module(hh, ww, ids, mask, adv, bb, old_per_token_logps=old)
+        out.append((module.last_pass, loss, *torch.autograd.grad(loss, (hh, ww, bb))))
+    assert out[0][0] == "single" and out[1][0].startswith("two-pass")
+    assert "the open row's dW" in out[2][0], out[2][0]
     for got, want in zip(out[0][1:], out[1][1:]):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)

@@ -169,8 +169,10 @@ def _row_span(starts: list[int], n0: int, n1: int, locality: Locality, group: in
     return slice(b0, b1)
 
 
-def plan(hidden, weight, lengths: list[int], loss: ChunkedLoss | str, max_bytes: int):
-    """(backend, rows per chunk, chunks) for a single pass, or why it cannot run (str)."""
+def plan(hidden, weight, lengths: list[int], loss: ChunkedLoss | str, max_bytes: int,
+         bias: bool = False):  # fmt: skip
+    """(backend, rows per chunk, chunks, pieces) for a single pass, or why it cannot run (str);
+    `bias`: the head has one (an open row then keeps its db too)."""
     if isinstance(loss, str):
         return loss
     if max_bytes == 0:
@@ -187,17 +189,18 @@ def plan(hidden, weight, lengths: list[int], loss: ChunkedLoss | str, max_bytes:
         return f"one row of logits ({per_row} bytes) exceeds max_chunk_bytes={max_bytes}"
     chunks = plan_chunks(lengths, loss.locality, loss.group, max_rows)
     if isinstance(chunks, str):
-        return _open_rows(backend, hidden, V, lengths, loss, max_bytes, per_row, chunks)
+        return _open_rows(backend, hidden, V, bias, lengths, loss, max_bytes, per_row, chunks)
     return backend, max_rows, chunks, None
 
 
-def _open_rows(backend, hidden, V, lengths, loss, max_bytes, per_row, why):
-    """The plan of a `scaled` loss whose longest row exceeds a chunk: the open row's dW and db
-    (fp32 [V, H] and [V]) take their bytes out of the budget, at most half of it; else why not."""
+def _open_rows(backend, hidden, V, bias, lengths, loss, max_bytes, per_row, why):
+    """The plan of a `scaled` loss whose longest row exceeds a chunk: the open row's dW and,
+    with a bias, db (fp32 [V, H] and [V]) take their bytes out of the budget, at most half of
+    it; else why not."""
     if not (loss.scaled and loss.locality == Locality.ROW):
         return why
     acc = torch.promote_types(hidden.dtype, torch.float32).itemsize
-    open_bytes = V * (hidden.shape[-1] + 1) * acc
+    open_bytes = V * (hidden.shape[-1] + bool(bias)) * acc
     max_rows = (max_bytes - open_bytes) // per_row
     if 2 * open_bytes > max_bytes or max_rows == 0:
         return (f"{why}, and the open row's dW ({open_bytes} bytes) would take more than half "
@@ -240,7 +243,7 @@ def decide(batch: Batch, head: HeadOptions, chunked: Callable[[], ChunkedLoss | 
         return Refusal(VOCAB_PARALLEL)
     max_bytes = chunk_bytes(head.max_chunk_bytes, batch.hidden.device)
     loss = chunked() if max_bytes else None
-    how = plan(batch.hidden, batch.weight, batch.lengths(), loss, max_bytes)
+    how = plan(batch.hidden, batch.weight, batch.lengths(), loss, max_bytes, batch.bias is not None)
     return Refusal(how) if isinstance(how, str) else Plan(*how, loss)
 
 
