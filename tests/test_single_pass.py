@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import fgrpo_kernels as fk
 from fgrpo_kernels import reference as R
+from fgrpo_kernels.backends import phases
 from fgrpo_kernels.backends.cpu import cpp
 from fgrpo_kernels.divergences import NAMES
 from fgrpo_kernels.head.autograd import select_backend
@@ -56,13 +57,24 @@ def run(make, call, lb, max_chunk_bytes):
     return module, loss.detach(), torch.autograd.grad(loss, ins)
 
 
-def unit_reason(lb, locality: str, rows: int, G: int = 1) -> str | None:
-    """None when a chunk of `rows` rows holds every unit of `locality`, else the start of the
-    fallback's reason."""
+def open_rows_fit(lb, rows: int) -> bool:
+    """Whether the open row's fp32 dW (and db) fits in half of the budget of `rows` rows and
+    leaves room for one row of logits (`single_pass._open_rows`)."""
+    budget = chunk_bytes(lb, rows)
+    V, H = lb.weight.shape
+    open_bytes = V * (H + (lb.bias is not None)) * 4
+    return 2 * open_bytes <= budget and budget - open_bytes >= chunk_bytes(lb, 1)
+
+
+def unit_reason(lb, locality: str, rows: int, G: int = 1, scaled: bool = False) -> str | None:
+    """None when a chunk of `rows` rows holds every unit of `locality` (or, for a loss whose
+    rows are `scaled`, when open rows fit), else the start of the fallback's reason."""
     lengths = lb.batch.mask.sum(-1)
     if locality == "token":
         return None
     if locality == "row":
+        if scaled and open_rows_fit(lb, rows):
+            return None
         return None if int(lengths.max()) <= rows else "a sequence holds"
     what = "a sequence holds" if G == 1 else f"a group of {G}"
     return None if int(lengths.reshape(-1, G).sum(-1).max()) <= rows else what
@@ -115,7 +127,10 @@ def test_grpo_family(backend, lb, opts, ratio, no_old, n_items, entropy, rows):
 
     per_row = (opts["importance_sampling_level"] == "sequence" or opts["loss_type"] == "vespo"
                or opts["off_policy_mask_threshold"] is not None)  # fmt: skip
-    reason = unit_reason(lb, "row" if per_row else "token", rows)
+    scaled = (opts["importance_sampling_level"] == "sequence" and opts["loss_type"] != "vespo"
+              and opts["off_policy_mask_threshold"] is None and opts["beta"] == 0.0
+              and opts.get("entropy_coef", 0.0) == 0.0)  # fmt: skip
+    reason = unit_reason(lb, "row" if per_row else "token", rows, scaled=scaled)
     if opts["top_entropy_quantile"] < 1.0:
         reason = "top_entropy_quantile < 1"
     assert_same(make, call, lb, rows, reason, f"GRPO {opts} {backend}")
@@ -159,7 +174,7 @@ def test_fgrpo(backend, lb, div, level, data, rewards_in, is_weights, given_old,
                       bias=bias, vllm_is_ratio=fp32(rho), **kwargs)  # fmt: skip
 
     locality = "group" if is_weights else "row" if level == "sequence" else "token"
-    reason = unit_reason(lb, locality, rows, G)
+    reason = unit_reason(lb, locality, rows, G, scaled=coef == 0.0)
     assert_same(make, call, lb, rows, reason, f"f-GRPO {div} {level} {red} {backend}")
 
 
@@ -184,7 +199,7 @@ def test_gift(backend, lb, detach, rows):
 def test_fdo_and_fhal(backend, lb, div, rows):
     b = lb.batch
     G = b.num_generations
-    reason = unit_reason(lb, "row", rows)
+    reason = unit_reason(lb, "row", rows, scaled=True)
 
     def make_fdo(max_chunk_bytes):
         return fk.FusedLinearFDOLoss(div, 0.3, max_chunk_bytes=max_chunk_bytes)
@@ -423,3 +438,78 @@ def test_regression_the_first_call_imports_no_torch_subsystem():
     out = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True,
                          text=True, timeout=300, check=True)  # fmt: skip
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+# ----------------------------------------------------------------------------- open rows
+
+OPEN_B, OPEN_T, OPEN_H, OPEN_V = 4, 13, 3, 23
+
+
+def open_call(kind, max_chunk_bytes):
+    """(module, loss, d/d(hidden, weight)) of a GSPO (GRPO at sequence level), sequence-level
+    f-GRPO or FDO call on rows of 13, 4, 0 and 11 tokens."""
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(OPEN_B, OPEN_T, OPEN_H, generator=gen, requires_grad=True)
+    w = torch.randn(OPEN_V, OPEN_H, generator=gen, requires_grad=True)
+    ids = torch.randint(0, OPEN_V, (OPEN_B, OPEN_T), generator=gen)
+    mask = (torch.arange(OPEN_T) < torch.tensor([13, 4, 0, 11])[:, None]).float()
+    ref = -3.0 + torch.randn(OPEN_B, OPEN_T, generator=gen)
+    adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
+    if kind == "gspo":
+        # near-on-policy old log-probs: GSPO's ±0.2 clip on the sequence ratio holds its side
+        # as the row goes on (a side that changes costs the row a rerun, tests/test_policy_...)
+        logp = torch.log_softmax(h.detach() @ w.detach().T, -1).gather(-1, ids[..., None])[..., 0]
+        old = logp + 0.02 * torch.randn(OPEN_B, OPEN_T, generator=gen)
+        module = fk.FusedLinearGRPOLoss("grpo", 0.0, importance_sampling_level="sequence",
+                                        max_chunk_bytes=max_chunk_bytes)  # fmt: skip
+        loss = module(h, w, ids, mask, adv, old_per_token_logps=old)[0]
+    elif kind == "fgrpo":
+        module = fk.FusedLinearFGRPOLoss("hellinger", 0.2, "sequence", num_generations=2,
+                                         max_chunk_bytes=max_chunk_bytes)  # fmt: skip
+        loss = module(h, w, ids, mask, advantages=adv, ref_per_token_logps=ref)[0]
+    else:
+        module = fk.FusedLinearFDOLoss("kl", 0.3, max_chunk_bytes=max_chunk_bytes)
+        chosen = torch.tensor([True, False, True, False])
+        loss = module(h, w, ids, mask, chosen, ref)[0]
+    return module, loss.detach(), torch.autograd.grad(loss, (h, w))
+
+
+@pytest.mark.parametrize("kind", ["gspo", "fgrpo", "fdo"])
+def test_open_rows_of_the_sequence_level_losses(backend, kind):
+    """Rows longer than a chunk of 4 rows run as open rows (one fold per long row, no rerun)
+    and equal the two-pass path."""
+    budget = OPEN_V * OPEN_H * 4 + 4 * select_backend(torch.device("cpu")).bytes_per_row(
+        torch.empty(1, OPEN_H), OPEN_V
+    )
+    rec = phases.Recorder(cuda=False)
+    with phases.recording(rec):
+        module, loss, grads = open_call(kind, budget)
+    assert module.last_pass == "single"
+    assert rec.calls.get("open_row_fold") == 2 and "open_row_rerun" not in rec.calls
+    _, want, want_grads = open_call(kind, 0)
+    torch.testing.assert_close(loss, want, rtol=2e-5, atol=2e-6)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)
+
+
+def test_regression_equal_rewards_in_a_group_give_the_two_pass_gradient(backend):
+    """Found by test_fgrpo at 80 examples: groups of equal rewards (z-scores of rounding over
+    σ + eps, ~1e-5) gave a zero gradient on the single pass, whose group statistics were
+    float64, and ~1e-5 on the two-pass PyTorch path, whose reference forms them in float32.
+    The single pass now forms them as the path that gives the value does."""
+    h = torch.tensor([1.5410, -0.2934, -2.1788, 0.5684, -1.0845, -1.3986]).view(6, 1, 1)
+    w = torch.tensor([[0.4033], [0.8380]])
+    ids = torch.tensor([0, 0, 0, 1, 0, 1]).view(6, 1)
+    ref = torch.tensor([-0.0192, -0.0218, -0.0418, -0.0227, -0.0361, -0.0176]).view(6, 1)
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0]).view(6, 1)
+    rewards = torch.tensor([0.0144] * 3 + [0.4472] * 3)
+    out = []
+    for max_chunk_bytes in (None, 0):
+        module = fk.FusedLinearFGRPOLoss("kl", 0.2, "token", "token_mean", num_generations=3,
+                                         max_chunk_bytes=max_chunk_bytes)  # fmt: skip
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = module(hh, ww, ids, mask, ref_per_token_logps=ref, rewards=rewards)[0]
+        out.append((module.last_pass, loss, *torch.autograd.grad(loss, (hh, ww))))
+    assert out[0][0] == "single" and out[1][0].startswith("two-pass")
+    for got, want in zip(out[0][1:], out[1][1:]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)

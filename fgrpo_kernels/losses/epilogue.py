@@ -63,6 +63,11 @@ def _no_tokens_zero(result: tuple[torch.Tensor, torch.Tensor], mask: torch.Tenso
     return reference.zero_without_tokens(loss, mask), grad
 
 
+def uses_triton(device: torch.device) -> bool:
+    """Whether the epilogues on `device` run the Triton kernels (else the PyTorch reference)."""
+    return use_triton(device)
+
+
 def _triton(device: torch.device):
     if use_triton(device):
         from ..backends.triton import epilogue

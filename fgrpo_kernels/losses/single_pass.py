@@ -447,12 +447,20 @@ def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) -> ChunkedLoss:
     """The GRPO family on the batch's `grpo_math.Normalisers` (row scales and the entropy
     bonus's scale, computed up front; no entropy mask): per-token terms, except a GSPO ratio,
-    VESPO's weight and the off-policy mask, which are statistics of whole sequences."""
+    VESPO's weight and the off-policy mask, which are statistics of whole sequences. The GSPO
+    ratio alone (no β term, no entropy bonus) scales a row's gradient: open rows."""
     sequence_weight = grpo_math.POLICY_TERMS[opts.objective].sequence_weight
     per_row = (opts.level == Level.SEQUENCE or sequence_weight
                or opts.off_policy_mask_threshold is not None)  # fmt: skip
+    scaled = (opts.level == Level.SEQUENCE and not sequence_weight and opts.beta == 0.0
+              and opts.off_policy_mask_threshold is None and opts.entropy_coef == 0.0)  # fmt: skip
 
     def grad(rows, m, lp, ent):
+        if scaled and old is not None:
+            # an open row's absent tokens at their old log-probs (log-ratio 0), as the policy
+            # variants do: the row's mean log-ratio so far is damped towards the whole row's,
+            # and its clip side changes (and the fold fails) less often than on the live mean
+            lp, m = torch.where(m.bool(), lp, old[rows].to(lp.dtype)), mask[rows]
         sub = grpo_math.Normalisers(norms.row_scale[rows], None, norms.entropy_scale)
         _, d, d_ent = epilogue.grpo(lp, ent, _rows(old, rows), _rows(ref, rows), m,
                                     advantages[rows], _rows(ratio, rows), _rows(sampling, rows),
@@ -463,21 +471,27 @@ def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) 
         out = epilogue.grpo(lp, ent, old, ref, mask, advantages, ratio, sampling, norms, opts)
         return out[0]
 
-    return ChunkedLoss(Locality.ROW if per_row else Locality.TOKEN, grad, loss)
+    return ChunkedLoss(Locality.ROW if per_row else Locality.TOKEN, grad, loss, scaled=scaled)
 
 
 def fgrpo(ref, mask, advantages, rewards, old, ratio, opts: FGRPOOptions) -> ChunkedLoss:
     """f-GRPO: the units' costs summed on the chunk, times the reduction's weight of each row
     (1/max(Σ mask, 1), 1/(B·max(L_i, 1)), 1/B or 1); advantages from rewards up front (float64
     group statistics, as the kernels compute them); the entropy bonus's gradient
-    −c·mask/max(Σ mask, 1) (`grpo_math.entropy_bonus`). Sequence level needs whole sequences,
+    −c·mask/max(Σ mask, 1) (`grpo_math.entropy_bonus`). Sequence level needs whole sequences
+    (or open rows: φ'(β·r_i) scales the row, where no entropy bonus adds a token's own term),
     the group importance weights whole groups."""
     B = mask.shape[0]
     m = mask.to(torch.float32)
     a = advantages
     if a is None:
-        a = reference.group_zscore(rewards.double(), opts.num_generations, opts.eps,
-                                   opts.unbiased, opts.scale).float()  # fmt: skip
+        # the group statistics as the epilogue that gives the value forms them: float64 in the
+        # Triton kernels, the rewards' compute dtype in the PyTorch reference (a group of equal
+        # rewards leaves float32 rounding over σ + eps, ~1e-5, that both paths must share)
+        wide = epilogue.uses_triton(mask.device)
+        x = rewards.double() if wide else rewards.to(reference.compute_dtype(rewards))
+        a = reference.group_zscore(x, opts.num_generations, opts.eps, opts.unbiased,
+                                   opts.scale).float()  # fmt: skip
     if opts.reduction == Reduction.TOKEN_MEAN:
         weight = (1.0 / m.sum().clamp(min=1.0)).expand(B)
     elif opts.reduction == Reduction.SEQ_MEAN:
@@ -504,7 +518,9 @@ def fgrpo(ref, mask, advantages, rewards, old, ratio, opts: FGRPOOptions) -> Chu
 
     if opts.group_is_weights:
         return ChunkedLoss(Locality.GROUP, grad, loss, opts.num_generations)
-    return ChunkedLoss(Locality.TOKEN if opts.level == Level.TOKEN else Locality.ROW, grad, loss)
+    if opts.level == Level.TOKEN:
+        return ChunkedLoss(Locality.TOKEN, grad, loss)
+    return ChunkedLoss(Locality.ROW, grad, loss, scaled=opts.entropy_coef == 0.0)
 
 
 def gift(ref, mask, rewards, opts: GIFTOptions) -> ChunkedLoss:
@@ -524,7 +540,7 @@ def gift(ref, mask, rewards, opts: GIFTOptions) -> ChunkedLoss:
 
 def fdo(ref, mask, chosen, opts: FDOOptions) -> ChunkedLoss:
     """FDO: sequence-level f-GRPO with advantages ±1/(pool size) counted up front; whole
-    sequences."""
+    sequences, or open rows."""
     advantages, seq = epilogue.fdo_as_fgrpo(chosen, opts)
 
     def grad(rows, m, lp, ent):
@@ -534,4 +550,4 @@ def fdo(ref, mask, chosen, opts: FDOOptions) -> ChunkedLoss:
     def loss(lp, ent):
         return epilogue.fdo(lp, ref, mask, chosen, opts)[0]
 
-    return ChunkedLoss(Locality.ROW, grad, loss)
+    return ChunkedLoss(Locality.ROW, grad, loss, scaled=True)
