@@ -112,13 +112,11 @@ def test_single_pass_with_options(backend, name, options):
 @pytest.mark.parametrize(
     "name, options, reason",
     [
-        ("kl_cov", {}, "top-k of the token covariance"),
-        ("m2po", {}, "clip range (tau)"),
         ("gmpo", {"top_entropy_quantile": 0.5}, "top_entropy_quantile < 1"),
         ("vanilla", {"rollout_correction": {"rollout_is": "token", "bypass_mode": True}}, "bypass"),
     ],
 )
-def test_batch_wide_variants_say_why_they_take_two_passes(name, options, reason):
+def test_batch_wide_option_sets_say_why_they_take_two_passes(name, options, reason):
     last_pass, loss, gh, gw, _ = run(name, None, **options)
     assert last_pass.startswith(f"two-pass: loss_mode={name!r}: ") and reason in last_pass
     assert torch.isfinite(loss) and torch.isfinite(gh).all() and torch.isfinite(gw).all()
@@ -260,3 +258,34 @@ def test_open_rows_with_a_bias(backend):
     assert "the open row's dW" in out[2][0], out[2][0]
     for got, want in zip(out[0][1:], out[1][1:]):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------- batch-wide
+
+BATCH_OPTIONS = [
+    ("kl_cov", {}),
+    ("kl_cov", {"kl_cov_ratio": 0.3, "ppo_kl_coef": 2.0}),
+    ("m2po", {}),
+    ("m2po", {"M2_budget": 0.01, "clip_loss": "vanilla"}),
+    ("m2po", {"M2_budget": 0.01, "clip_loss": "gspo"}),
+]
+
+
+@pytest.mark.parametrize("name, options", BATCH_OPTIONS)
+@pytest.mark.parametrize("rows", [2, 5])
+def test_batch_wide_variants_correct_their_tokens(backend, name, options, rows):
+    """kl_cov and M2PO in chunks cut anywhere: the provisional gradients (the rest of the batch
+    at its old log-probs) corrected at the sweep's end equal the two-pass path."""
+    single, calls = phase_calls(lambda: run(name, rows_of_bytes(rows), **options))
+    assert single[0] == "single"
+    assert_same(single, run(name, 0, **options))
+    if name == "kl_cov" and options:
+        assert calls.get("batch_correction", 0) >= 1, calls  # 30% of the tokens in its top-k
+
+
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 7), case=st.sampled_from(BATCH_OPTIONS))
+def test_batch_wide_variants_on_drawn_inputs(seed, rows, case):
+    name, options = case
+    single = run(name, rows_of_bytes(rows), seed=seed, **options)
+    assert single[0] == "single"
+    assert_same(single, run(name, 0, seed=seed, **options))

@@ -178,7 +178,7 @@ def test_cpp_ops_check_their_buffers():
 def test_plan_chunks_cover_the_tokens_and_split_no_unit(lengths, locality, G, max_rows):
     lengths = lengths + [0] * (-len(lengths) % G)
     plan = plan_chunks(lengths, locality, G, max_rows)
-    per = {Locality.TOKEN: None, Locality.ROW: 1, Locality.GROUP: G}[locality]
+    per = {Locality.TOKEN: None, Locality.BATCH: None, Locality.ROW: 1, Locality.GROUP: G}[locality]
     units = [] if per is None else [sum(lengths[i : i + per]) for i in range(0, len(lengths), per)]
     if units and max(units) > max_rows:
         assert isinstance(plan, str) and f"more than a chunk of {max_rows} rows" in plan

@@ -10,8 +10,9 @@ front) or its own sequence takes the single pass (6·N·H·V, `single_pass`): ea
 is autograd of the variant on the whole batch with the chunk's log-probs live and the other
 tokens at their old log-probs, which for such a loss leaves the chunk's gradient exactly as on
 the whole batch. kl_cov (a top-k of the batch's covariance) and M2PO (a clip range from the
-whole batch's log-ratios) need every current log-prob first, and take the two-pass path
-(8·N·H·V).
+whole batch's log-ratios) need every current log-prob: their chunks take that provisional
+gradient, and the sweep's end corrects the tokens where the whole batch's differs
+(`Locality.BATCH`: kl_cov's top-k, the tokens M2PO's τ clips), which cost their logits again.
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ class Variant:
         )
 
 
-BATCH_WIDE = "its {} is a statistic of the whole batch's current log-probs"
 VERL_LOCALITY = {
     "vanilla": Locality.TOKEN,
     "gspo": Locality.ROW,
@@ -84,7 +84,7 @@ VERL_LOCALITY = {
     "dro": Locality.TOKEN,
     "dppo_tv": Locality.TOKEN,
     "dppo_kl": Locality.TOKEN,
-    "kl_cov": BATCH_WIDE.format("top-k of the token covariance"),
+    "kl_cov": Locality.BATCH,  # the top-k of the batch's token covariance
 }
 VARIANTS: dict[str, Variant] = {
     "gmpo": Variant(policy_variants.gmpo_loss, "trl", Locality.ROW),
@@ -93,7 +93,7 @@ VARIANTS: dict[str, Variant] = {
         name: Variant(fn, "verl", VERL_LOCALITY[name])
         for name, fn in policy_variants_verl_pg.POLICY_LOSSES.items()
     },
-    "m2po": Variant(policy_m2po.m2po_loss, "m2po", BATCH_WIDE.format("clip range (tau)")),
+    "m2po": Variant(policy_m2po.m2po_loss, "m2po", Locality.BATCH),  # τ from the whole batch
 }
 
 

@@ -68,11 +68,14 @@ ENTROPY_MASK = (
 
 class Locality(enum.IntEnum):
     """What a token's dL/dlogp depends on, beyond numbers computed up front: the token alone,
-    its whole sequence, or its whole group of G sequences."""
+    its whole sequence, its whole group of G sequences, or the whole batch (kl_cov's top-k,
+    M2PO's τ: chunks cut anywhere take a provisional gradient, corrected at the sweep's end on
+    the tokens where the true one differs, `_Sweep.correct`)."""
 
     TOKEN = 0
     ROW = 1
     GROUP = 2
+    BATCH = 3
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ def plan_chunks(lengths: list[int], locality: Locality, group: int, max_rows: in
     sequence of lengths[i] tokens, or G consecutive sequences), greedily; or a reason (str)
     when a unit is longer than `max_rows`."""
     N = sum(lengths)
-    if locality == Locality.TOKEN:
+    if locality in (Locality.TOKEN, Locality.BATCH):
         return [(n0, min(n0 + max_rows, N)) for n0 in range(0, N, max_rows)]
     per = 1 if locality == Locality.ROW else group
     units = [sum(lengths[i : i + per]) for i in range(0, len(lengths), per)]
@@ -268,6 +271,8 @@ def run(backend, max_rows, chunks, hidden, weight, targets, bias, lp_opts: LogPr
                    loss, pieces is not None)  # fmt: skip
         for k, (n0, n1) in enumerate(chunks):
             s.chunk(n0, n1, None if pieces is None else pieces[k])
+        if loss.locality == Locality.BATCH:
+            s.correct()
         whole = torch.zeros(B * T, dtype=s.acc, device=h.device)
         logps = whole.index_copy(0, positions, s.logp).view(B, T)
         ents = None if s.ent is None else whole.index_copy(0, positions, s.ent).view(B, T)
@@ -321,6 +326,10 @@ class _Sweep:
         # the open row: its earlier pieces, their gradients on the open dW's scale, and whether
         # no common scale held (`chunk`)
         self.pieces, self.stored, self.failed = [], [], False
+        # Locality.BATCH: each token's provisional gradients, for `correct`
+        self.provisional = None
+        if loss.locality == Locality.BATCH:
+            self.provisional = (h.new_zeros(N, dtype=acc), h.new_zeros(N, dtype=acc))
 
     def chunk(self, n0: int, n1: int, row: tuple[int, int] | None):
         """Chunk [n0, n1): whole units (`row` None), or a piece of the row [u0, u1)."""
@@ -328,6 +337,10 @@ class _Sweep:
         if row is None:
             g, g_en = self.grads(n0, n1)
             self.backward(buf, n0, n1, lse, en, g, g_en)
+            if self.provisional is not None:
+                self.provisional[0][n0:n1] = g
+                if g_en is not None:
+                    self.provisional[1][n0:n1] = g_en
             return
         u0, u1 = row
         if n0 == u0:
@@ -409,6 +422,42 @@ class _Sweep:
                 if self.dh is not None:
                     self.dh[u0:n0] *= r
         self.pieces, self.stored, self.failed = [], [], False
+
+    def correct(self):
+        """Locality.BATCH: the true gradients of every token (the whole batch live), and for
+        the tokens where they differ from the provisional ones (beyond 128 ulps) their logits
+        once more, in chunks, with the difference as upstream: dz is linear in it, so dW, db
+        and those dh rows become exact. kl_cov corrects its top-k tokens, M2PO those its τ
+        masks."""
+        N = self.logp.shape[0]
+        if N == 0:
+            return
+        g, g_en = self.grads(0, N)
+        d = g - self.provisional[0]
+        d_en = None if g_en is None else g_en - self.provisional[1]
+        tol = 128 * torch.finfo(g.dtype).eps
+        off = d.abs() > tol * torch.maximum(g.abs(), self.provisional[0].abs())
+        if d_en is not None:
+            off |= d_en.abs() > tol * torch.maximum(g_en.abs(), self.provisional[1].abs())
+        idx = off.nonzero().flatten()
+        rows = self.logits.shape[0]
+        for k0 in range(0, idx.numel(), rows):
+            with phases.phase("batch_correction"):
+                self._rerun(idx[k0 : k0 + rows], d, d_en)
+
+    def _rerun(self, idx, d, d_en):
+        """The tokens `idx` once more with upstream `d`, `d_en`: dW, db accumulated, their dh
+        rows added to."""
+        h, y = self.h.index_select(0, idx), self.y.index_select(0, idx)
+        buf = self.logits[: idx.numel()]
+        _, lse, en = self.backend.logits_fwd(h, self.w, y, self.b, self.opts, self.entropy, buf)
+        d_h = None if self.dh is None else h.new_empty(h.shape, dtype=self.acc)
+        ge = None if d_en is None else d_en.index_select(0, idx)
+        self.backend.logits_bwd(buf, h, self.w, y, self.b, lse, en, d.index_select(0, idx), ge,
+                                self.opts, d_h, self.dw, self.db, self.written)  # fmt: skip
+        self.written = True
+        if d_h is not None:
+            self.dh.index_add_(0, idx, d_h.to(self.dh.dtype))
 
 
 def _common_scale(g, g_en, stored, early: int) -> float | None:
