@@ -63,11 +63,6 @@ def _no_tokens_zero(result: tuple[torch.Tensor, torch.Tensor], mask: torch.Tenso
     return reference.zero_without_tokens(loss, mask), grad
 
 
-def uses_triton(device: torch.device) -> bool:
-    """Whether the epilogues on `device` run the Triton kernels (else the PyTorch reference)."""
-    return use_triton(device)
-
-
 def _triton(device: torch.device):
     if use_triton(device):
         from ..backends.triton import epilogue
@@ -94,6 +89,17 @@ def fgrpo(logps, entropy, ref_logps, mask, advantages, rewards, old_logps, vllm_
         return (*out, None)
     m = mask.float()
     return _minus_bonus(out, entropy, m, opts.entropy_coef / m.sum().clamp(min=1.0))
+
+
+def fgrpo_advantages(rewards, opts: FGRPOOptions) -> torch.Tensor:
+    """Advantages [B] (float32) from rewards [B] as `fgrpo` forms them inside: group statistics
+    in float64 in the Triton kernels, in the rewards' compute dtype in the PyTorch reference (a
+    group of equal rewards leaves float32 rounding over σ + eps, ~1e-5, which a caller that
+    forms them up front, the single pass, must share)."""
+    wide = _triton(rewards.device) is not None
+    x = rewards.double() if wide else rewards.to(reference.compute_dtype(rewards))
+    return reference.group_zscore(x, opts.num_generations, opts.eps, opts.unbiased,
+                                  opts.scale).float()  # fmt: skip
 
 
 def grpo(logps, entropy, old_logps, ref_logps, mask, advantages, vllm_is_ratio, sampling_logps,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import memory, phases
-from ..core import grpo_math, reference
+from ..core import grpo_math
 from ..core import validation as check
 from ..core.options import (
     FDOOptions,
@@ -123,24 +123,16 @@ def plan_chunks(lengths: list[int], locality: Locality, group: int, max_rows: in
     what = "a sequence" if per == 1 else f"a group of {per} sequences"
     if units and max(units) > max_rows:
         return f"{what} holds {max(units)} tokens, more than a chunk of {max_rows} rows"
-    chunks, n0, n1 = [], 0, 0
-    for size in units:
-        if n1 + size - n0 > max_rows:
-            chunks.append((n0, n1))
-            n0 = n1
-        n1 += size
-    if n1 > n0:
-        chunks.append((n0, n1))
-    return chunks
+    return plan_pieces(units, max_rows)[0]
 
 
-def plan_pieces(lengths: list[int], max_rows: int):
-    """(chunks, pieces) for rows of which some are longer than `max_rows` tokens: whole rows
-    packed greedily as `plan_chunks` does, each longer row split into ⌈L/max_rows⌉ balanced
-    pieces, one chunk each; pieces[k] is the token range (u0, u1) of the row chunk k is a piece
-    of, or None where chunk k holds whole rows."""
+def plan_pieces(units: list[int], max_rows: int):
+    """(chunks, pieces): consecutive units (rows, for open rows) of these token counts packed
+    greedily into chunks of at most `max_rows` tokens (`plan_chunks` packs whole ones); a unit
+    longer than that is cut into ⌈L/max_rows⌉ balanced pieces, one chunk each. pieces[k] is the
+    token range (u0, u1) of the unit chunk k is a piece of, or None for a chunk of whole units."""
     chunks, pieces, n0, n1 = [], [], 0, 0
-    for size in lengths:
+    for size in units:
         if size <= max_rows and n1 + size - n0 <= max_rows:
             n1 += size
             continue
@@ -534,13 +526,7 @@ def fgrpo(ref, mask, advantages, rewards, old, ratio, opts: FGRPOOptions) -> Chu
     m = mask.to(torch.float32)
     a = advantages
     if a is None:
-        # the group statistics as the epilogue that gives the value forms them: float64 in the
-        # Triton kernels, the rewards' compute dtype in the PyTorch reference (a group of equal
-        # rewards leaves float32 rounding over σ + eps, ~1e-5, that both paths must share)
-        wide = epilogue.uses_triton(mask.device)
-        x = rewards.double() if wide else rewards.to(reference.compute_dtype(rewards))
-        a = reference.group_zscore(x, opts.num_generations, opts.eps, opts.unbiased,
-                                   opts.scale).float()  # fmt: skip
+        a = epilogue.fgrpo_advantages(rewards, opts)
     if opts.reduction == Reduction.TOKEN_MEAN:
         weight = (1.0 / m.sum().clamp(min=1.0)).expand(B)
     elif opts.reduction == Reduction.SEQ_MEAN:
