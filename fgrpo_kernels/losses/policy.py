@@ -17,6 +17,7 @@ gradient, and the sweep's end corrects the tokens where the whole batch's differ
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ class Variant:
     locality: Locality | str
 
     def parameters(self) -> dict:
-        return dict(inspect.signature(self.fn).parameters)
+        return dict(_parameters(self.fn))
 
     def options(self) -> tuple[str, ...]:
         return tuple(p for p in self.parameters() if p not in FILLED + PER_CALL)
@@ -73,6 +74,13 @@ class Variant:
             for k in self.options()
             if params[k].kind in named and params[k].default is inspect.Parameter.empty
         )
+
+
+@functools.cache
+def _parameters(fn: Callable):
+    """fn's signature's parameters, read once (each chunk's gradient asks what a variant takes:
+    inspect.signature cost ~0.1 ms a call)."""
+    return inspect.signature(fn).parameters
 
 
 VERL_LOCALITY = {
