@@ -138,14 +138,10 @@ class FusedLinearFGRPOLoss(FusedLoss):
         fast_fp32=False,
         *,
         entropy_coef=0.0,
-        vocab_parallel=None,
-        process_group=None,
-        max_chunk_bytes=None,
         rollout_correction=None,
-        **more_head,
+        **head,
     ):
-        head = (temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
-        super().__init__(*head, max_chunk_bytes, **more_head)
+        super().__init__(temperature, compute_entropy, fast_fp32, **head)
         self.rollout_correction = rollout.parse(rollout_correction)
         self.opts = FGRPOOptions.parse(
             divergence,

@@ -56,14 +56,9 @@ class FusedLinearGIFTLoss(FusedLoss):
         unbiased=True,
         compute_entropy=False,
         fast_fp32=False,
-        *,
-        vocab_parallel=None,
-        process_group=None,
-        max_chunk_bytes=None,
-        **more_head,
+        **head,
     ):
-        head = (temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
-        super().__init__(*head, max_chunk_bytes, **more_head)
+        super().__init__(temperature, compute_entropy, fast_fp32, **head)
         self.opts = GIFTOptions.parse(num_generations, beta, eps, unbiased, detach_stats)
 
     def forward(

@@ -137,15 +137,11 @@ class FusedLinearGRPOLoss(FusedLoss):
         compiled=True,
         chunk_size=1,
         *,
-        vocab_parallel=None,
-        process_group=None,
-        max_chunk_bytes=None,
         rollout_correction=None,
         **options,
     ):
-        head = (temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
-        more_head, options = split(options)  # a newer HeadOptions field by keyword
-        super().__init__(*head, max_chunk_bytes, **more_head)
+        head, options = split(options)  # the other HeadOptions (vocab_parallel, ...) by keyword
+        super().__init__(temperature, compute_entropy, fast_fp32, **head)
         self.use_ref_model = bool(use_ref_model)
         self.rollout_correction = rollout.parse(rollout_correction)
         self.opts = GRPOOptions.parse(

@@ -57,7 +57,11 @@ def _head_property(name: str) -> property:
 
 
 class FusedLoss(torch.nn.Module):
-    """The base of every fused loss module: the head's options, the batch, the pipeline."""
+    """The base of every fused loss module: the head's options, the batch, the pipeline.
+
+    Each module takes temperature, compute_entropy and fast_fp32 where its positional order has
+    them, and every `HeadOptions` field (vocab_parallel, process_group, max_chunk_bytes, ...)
+    by keyword, passed here whole; an unknown keyword is a TypeError listing the valid ones."""
 
     def __init__(self, *head_args, **head):
         """The head's options by keyword, or positionally in `HeadOptions` order (temperature,

@@ -255,15 +255,11 @@ class FusedLinearPolicyLoss(FusedLoss):
         temperature=1.0,
         compute_entropy=False,
         fast_fp32=False,
-        vocab_parallel=None,
-        process_group=None,
-        max_chunk_bytes=None,
         **options,
     ):
-        head = (temperature, compute_entropy, fast_fp32, vocab_parallel, process_group)
-        more_head, options = split(options)  # a newer HeadOptions field by keyword
-        super().__init__(*head, max_chunk_bytes, **more_head)
-        if process_group is not None:
+        head, options = split(options)  # the other HeadOptions (vocab_parallel, ...) by keyword
+        super().__init__(temperature, compute_entropy, fast_fp32, **head)
+        if self.head.process_group is not None:
             raise ValueError(
                 "process_group: the policy variants take the whole batch on one process; pass "
                 "verl's global_batch_info (dp_size, batch_num_tokens, global_batch_size) instead"

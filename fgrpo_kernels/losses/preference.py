@@ -77,14 +77,9 @@ class FusedLinearFDOLoss(FusedLoss):
         beta=0.1,
         temperature=1.0,
         fast_fp32=False,
-        *,
-        vocab_parallel=None,
-        process_group=None,
-        max_chunk_bytes=None,
-        **more_head,
+        **head,
     ):
-        head = (temperature, False, fast_fp32, vocab_parallel, process_group, max_chunk_bytes)
-        super().__init__(*head, **more_head)
+        super().__init__(temperature, False, fast_fp32, **head)
         self.opts = FDOOptions.parse(divergence, beta)
 
     def forward(
