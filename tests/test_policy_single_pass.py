@@ -46,12 +46,15 @@ def rows_of_bytes(rows: int, H=H, dtype=torch.float32) -> int:
     return rows * row
 
 
-def run(name, max_chunk_bytes, seed=0, shape=(T, H), **options):
+def run(name, max_chunk_bytes, seed=0, shape=(T, H), on_policy=False, forward=None, **options):
+    """`on_policy`: no old log-probs (the current ones, detached); `forward`: more per-call
+    inputs."""
     h, w, ids, mask, adv, old, ref, rollout, keep = inputs(seed, *shape)
+    old = None if on_policy else old
     opts = {**OPTIONS.get(name, {}), **options}
     module = FusedLinearPolicyLoss(name, max_chunk_bytes=max_chunk_bytes, **opts)
     hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-    forward = {"clip_cov_keep": keep} if name == "clip_cov" else {}
+    forward = {**({"clip_cov_keep": keep} if name == "clip_cov" else {}), **(forward or {})}
     if module.rollout_correction is not None:
         forward["rollout_per_token_logps"] = rollout
     loss, metrics = module(
@@ -289,3 +292,53 @@ def test_batch_wide_variants_on_drawn_inputs(seed, rows, case):
     single = run(name, rows_of_bytes(rows), seed=seed, **options)
     assert single[0] == "single"
     assert_same(single, run(name, 0, seed=seed, **options))
+
+
+# ----------------------------------------------------------------------------- on-policy
+
+
+@pytest.mark.parametrize("name", SCALED)
+def test_on_policy_sequence_local_variants_chunk_as_token_local(backend, name):
+    """Without old log-probs every log-ratio is 0 and a sequence's factor is 1, so chunks of 3
+    rows split sequences of 5 tokens with no open row, KL terms and entropy bonuses included
+    (OPTIONS), and equal the two-pass path."""
+    single, calls = phase_calls(lambda: run(name, rows_of_bytes(3), on_policy=True))
+    two = run(name, 0, on_policy=True)
+    assert single[0] == "single" and "open_row_fold" not in calls
+    assert_same(single, two)
+
+
+def test_on_policy_with_the_samplers_log_probs_stays_sequence_local():
+    """GSPO-token's off-policy mask compares the sampler's log-probs with a whole sequence's
+    current ones: a sequence longer than a chunk then takes the two-pass path."""
+    sampling = inputs()[5]
+    options = dict(on_policy=True, forward={"sampling_logp": sampling},
+                   off_policy_mask_threshold=0.5)  # fmt: skip
+    single = run("gspo_token", rows_of_bytes(3), **options)
+    assert single[0] == "two-pass: a sequence holds 5 tokens, more than a chunk of 3 rows"
+    assert_same(single, run("gspo_token", 0, **options))
+
+
+@given(
+    lengths=st.lists(st.integers(0, 13), min_size=4, max_size=4),
+    rows=st.integers(1, 9),
+    name=st.sampled_from(SCALED),
+    seed=st.integers(0, 2**16),
+)
+def test_on_policy_on_drawn_lengths(lengths, rows, name, seed):
+    """Any row lengths and chunks of 1 to 9 rows, the source's KL terms and entropy bonus on:
+    the on-policy single pass equals the two-pass path."""
+    h, w, ids, _, adv, *_ = inputs(seed, *OPEN)
+    ref = inputs(seed, *OPEN)[6]
+    mask = (torch.arange(OPEN[0]) < torch.tensor(lengths)[:, None]).float()
+    out = []
+    for max_chunk_bytes in (rows_of_bytes(rows, OPEN[1]), 0):
+        module = FusedLinearPolicyLoss(
+            name, max_chunk_bytes=max_chunk_bytes, **OPTIONS.get(name, {})
+        )
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, _ = module(hh, ww, ids, mask, adv, ref_per_token_logps=ref)
+        out.append((module.last_pass, loss, *torch.autograd.grad(loss, (hh, ww))))
+    assert out[0][0] == "single"
+    for got, want in zip(out[0][1:], out[1][1:]):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)

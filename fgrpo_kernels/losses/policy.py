@@ -155,8 +155,18 @@ class PolicyStep(LossStep):
             loss, self.extra = self.loss_of(lp, ent, corrected)
             return loss.detach()
 
-        return single_pass.ChunkedLoss(self.module.variant.locality, grad, value,
-                                       scaled=self._row_scaled())  # fmt: skip
+        locality = self.module.variant.locality
+        if locality == Locality.ROW and self._log_ratios_vanish():
+            locality = Locality.TOKEN
+        return single_pass.ChunkedLoss(locality, grad, value, scaled=self._row_scaled())
+
+    def _log_ratios_vanish(self) -> bool:
+        """No old log-probs (they are the current ones, detached: TRL's num_iterations=1) and no
+        sampler's: every log-ratio is 0 whatever the other tokens, so a sequence's factor
+        (GSPO's ratio, GMPO's geometric mean: exp of a mean of zeros) is 1 and a token's
+        dL/dlogp needs that token alone (its row's mask counted up front): the sequence-local
+        variants then chunk as token-local ones."""
+        return self.old is None and self.inputs.get("sampling_logp") is None
 
     def _row_scaled(self) -> bool:
         """The sequence-local variants' dL/dlogp_t is c_i·u_t (GSPO's clipped sequence ratio,
