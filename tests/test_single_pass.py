@@ -125,7 +125,9 @@ def test_grpo_family(backend, lb, opts, ratio, no_old, n_items, entropy, rows):
                       vllm_is_ratio=fp32(rho), sampling_per_token_logps=fp32(sampling),
                       num_items_in_batch=n_items)  # fmt: skip
 
-    per_row = (opts["importance_sampling_level"] == "sequence" or opts["loss_type"] == "vespo"
+    # on-policy (no old log-probs) GSPO's ratio is 1 whatever the other tokens: token-local
+    gspo = opts["importance_sampling_level"] == "sequence" and not no_old
+    per_row = (gspo or opts["loss_type"] == "vespo"
                or opts["off_policy_mask_threshold"] is not None)  # fmt: skip
     scaled = (opts["importance_sampling_level"] == "sequence" and opts["loss_type"] != "vespo"
               and opts["off_policy_mask_threshold"] is None and opts["beta"] == 0.0
@@ -490,6 +492,32 @@ def test_open_rows_of_the_sequence_level_losses(backend, kind):
     torch.testing.assert_close(loss, want, rtol=2e-5, atol=2e-6)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_on_policy_gspo_chunks_split_sequences(backend, beta):
+    """Without old log-probs GSPO's sequence ratio is 1: chunks of 3 rows split rows of 13 and
+    11 tokens with no open row, a β term included, and equal the two-pass path."""
+    gen = torch.Generator().manual_seed(9)
+    h = torch.randn(OPEN_B, OPEN_T, OPEN_H, generator=gen)
+    w = torch.randn(OPEN_V, OPEN_H, generator=gen)
+    ids = torch.randint(0, OPEN_V, (OPEN_B, OPEN_T), generator=gen)
+    mask = (torch.arange(OPEN_T) < torch.tensor([13, 4, 0, 11])[:, None]).float()
+    ref = -3.0 + torch.randn(OPEN_B, OPEN_T, generator=gen)
+    adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
+    row = select_backend(torch.device("cpu")).bytes_per_row(torch.empty(1, OPEN_H), OPEN_V)
+    out = []
+    for budget in (3 * row, 0):
+        module = fk.FusedLinearGRPOLoss("dapo", beta, importance_sampling_level="sequence",
+                                        max_chunk_bytes=budget)  # fmt: skip
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        rec = phases.Recorder(cuda=False)
+        with phases.recording(rec):
+            loss = module(hh, ww, ids, mask, adv, ref_per_token_logps=ref)[0]
+        out.append((module.last_pass, dict(rec.calls), loss, *torch.autograd.grad(loss, (hh, ww))))
+    assert out[0][0] == "single" and "open_row_fold" not in out[0][1]
+    for got, want in zip(out[0][2:], out[1][2:]):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 
 
 def test_regression_equal_rewards_in_a_group_give_the_two_pass_gradient(backend):

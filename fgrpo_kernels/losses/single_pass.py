@@ -487,11 +487,15 @@ def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 
 def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) -> ChunkedLoss:
     """The GRPO family on the batch's `grpo_math.Normalisers` (row scales and the entropy
-    bonus's scale, computed up front; no entropy mask): per-token terms, except a GSPO ratio,
-    VESPO's weight and the off-policy mask, which are statistics of whole sequences. The GSPO
-    ratio alone (no β term, no entropy bonus) scales a row's gradient: open rows."""
+    bonus's scale, computed up front; no entropy mask): per-token terms, except a GSPO ratio
+    (but on-policy, where it is 1), VESPO's weight and the off-policy mask, which are
+    statistics of whole sequences. The GSPO ratio alone (no β term, no entropy bonus) scales a
+    row's gradient: open rows."""
     sequence_weight = grpo_math.POLICY_TERMS[opts.objective].sequence_weight
-    per_row = (opts.level == Level.SEQUENCE or sequence_weight
+    # on-policy (old log-probs None: the current ones, detached) GSPO's ratio is exp(0) = 1
+    # whatever the other tokens: a token's gradient needs its row's mask count alone
+    on_policy_gspo = opts.level == Level.SEQUENCE and old is None
+    per_row = ((opts.level == Level.SEQUENCE and not on_policy_gspo) or sequence_weight
                or opts.off_policy_mask_threshold is not None)  # fmt: skip
     scaled = (opts.level == Level.SEQUENCE and not sequence_weight and opts.beta == 0.0
               and opts.off_policy_mask_threshold is None and opts.entropy_coef == 0.0)  # fmt: skip
@@ -502,6 +506,8 @@ def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) 
             # variants do: the row's mean log-ratio so far is damped towards the whole row's,
             # and its clip side changes (and the fold fails) less often than on the live mean
             lp, m = torch.where(m.bool(), lp, old[rows].to(lp.dtype)), mask[rows]
+        elif on_policy_gspo:  # the row's whole mask (its count), absent tokens' log-ratio 0
+            lp, m = torch.where(m.bool(), lp, 0.0), mask[rows]
         sub = grpo_math.Normalisers(norms.row_scale[rows], None, norms.entropy_scale)
         _, d, d_ent = epilogue.grpo(lp, ent, _rows(old, rows), _rows(ref, rows), m,
                                     advantages[rows], _rows(ratio, rows), _rows(sampling, rows),
