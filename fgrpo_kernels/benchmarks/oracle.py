@@ -18,7 +18,15 @@ import torch
 
 from fgrpo_kernels.core import reference
 
-from .workload import FGRPO_BETA, GRPO_BETA, VARIANT_OPTIONS, VARIANT_WORKLOADS, Workload, run_step
+from .workload import (
+    FGRPO_BETA,
+    GRPO_BETA,
+    VARIANT_OPTIONS,
+    VARIANT_WORKLOADS,
+    Workload,
+    run_step,
+    variant_of,
+)
 
 CHECK_TOKENS = 512
 # dtype → (output, gradients) tolerance, relative L2 error against float64
@@ -42,7 +50,7 @@ def float64(w: Workload, workload: str, pass_: str) -> dict[str, torch.Tensor]:
         elif workload == "fgrpo":
             out = reference.fgrpo_loss(logps, ref, adv, mask, "pearson", FGRPO_BETA)
         elif workload in VARIANT_WORKLOADS:
-            out = _variant(workload.removeprefix("policy:"), w, logps, ref, adv, mask)
+            out = _variant(workload, w, logps, ref, adv, mask)
         elif workload == "logprobs":
             out = logps
         else:
@@ -56,9 +64,13 @@ def float64(w: Workload, workload: str, pass_: str) -> dict[str, torch.Tensor]:
     return result
 
 
-def _variant(mode: str, w: Workload, logps, old, adv, mask) -> torch.Tensor:
+def _variant(workload: str, w: Workload, logps, old, adv, mask) -> torch.Tensor:
+    """The variant's loss with the reference log-probs as the old ones (on-policy: the current
+    ones, detached)."""
     from fgrpo_kernels.losses.policy import VARIANTS
 
+    mode, on_policy = variant_of(workload)
+    old = logps.detach() if on_policy else old  # as the module takes no old log-probs
     inputs = {k: v.double() for k, v in w.variant_inputs(mode).items()}
     return VARIANTS[mode].fn(logps, old, adv, mask, **VARIANT_OPTIONS[mode], **inputs)[0]
 

@@ -41,7 +41,15 @@ import torch
 import fgrpo_kernels
 from fgrpo_kernels.core import reference
 
-from .workload import EPS, FGRPO_BETA, GRPO_BETA, VARIANT_OPTIONS, Workload
+from .workload import (
+    EPS,
+    FGRPO_BETA,
+    GRPO_BETA,
+    VARIANT_OPTIONS,
+    VARIANT_WORKLOADS,
+    Workload,
+    variant_of,
+)
 
 LogProbs = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Step = Callable[[Workload], torch.Tensor]
@@ -199,20 +207,22 @@ def _ours_fgrpo(max_chunk_bytes: int | None) -> Build:
     return build
 
 
-def _ours_variant(mode: str) -> Build:
+def _ours_variant(workload: str) -> Build:
+    mode, on_policy = variant_of(workload)
+
     def build(device: str) -> Step:
         from fgrpo_kernels.losses.policy import FusedLinearPolicyLoss
 
         loss = FusedLinearPolicyLoss(mode, **VARIANT_OPTIONS[mode])
         return lambda w: loss(
-            w.hidden, w.weight, w.ids, w.mask, w.advantages, old_per_token_logps=w.ref_logps,
-            **w.variant_inputs(mode),
+            w.hidden, w.weight, w.ids, w.mask, w.advantages,
+            old_per_token_logps=None if on_policy else w.ref_logps, **w.variant_inputs(mode),
         )[0]  # fmt: skip
 
     return build
 
 
-OURS_VARIANTS = {f"policy:{mode}": _ours_variant(mode) for mode in VARIANT_OPTIONS}
+OURS_VARIANTS = {workload: _ours_variant(workload) for workload in VARIANT_WORKLOADS}
 
 
 def _no_recompute(*workloads: str) -> Callable[[str, str], bool]:

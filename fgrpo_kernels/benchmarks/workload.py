@@ -9,7 +9,8 @@ every token unmasked. Workloads ("what" of a case):
 - `fgrpo`: token-level Pearson f-GRPO loss (β 0.1);
 - `policy:MODE`: a policy-loss variant (`FusedLinearPolicyLoss(MODE)`, the source's defaults;
   `VARIANT_OPTIONS`), with the reference log-probs as the old ones (so ratios differ from 1)
-  and, for clip_cov, a random keep mask drawn up front (verl draws it inside its loss).
+  and, for clip_cov, a random keep mask drawn up front (verl draws it inside its loss);
+  `policy:MODE@on-policy` (the sequence-local ones): no old log-probs (TRL's num_iterations=1).
 
 Passes: `fwd` (no autograd graph), `fwd+bwd` (gradients of hidden and weight),
 `fwd+bwd-frozen` (the lm_head takes no gradient, as with a frozen head or PEFT).
@@ -30,10 +31,20 @@ VARIANT_OPTIONS = {
     "dro": {"dro_beta": 0.1}, "dppo_tv": {}, "dppo_kl": {}, "clip_cov": {}, "kl_cov": {},
     "m2po": {},
 }  # fmt: skip
-VARIANT_WORKLOADS = tuple(f"policy:{mode}" for mode in VARIANT_OPTIONS)
+ON_POLICY = "@on-policy"
+VARIANT_WORKLOADS = (
+    *(f"policy:{mode}" for mode in VARIANT_OPTIONS),
+    *(f"policy:{mode}{ON_POLICY}" for mode in ("gmpo", "gspo", "gspo_token", "geo_mean")),
+)
 WORKLOADS = ("logprobs", "grpo", "fgrpo", *VARIANT_WORKLOADS)
 PASSES = ("fwd", "fwd+bwd", "fwd+bwd-frozen")
 GRPO_BETA, EPS, FGRPO_BETA = 0.04, 0.2, 0.1
+
+
+def variant_of(workload: str) -> tuple[str, bool]:
+    """(mode, on-policy) of a `policy:MODE[@on-policy]` workload."""
+    mode = workload.removeprefix("policy:")
+    return mode.removesuffix(ON_POLICY), mode.endswith(ON_POLICY)
 
 
 @dataclass
