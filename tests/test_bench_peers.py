@@ -345,3 +345,14 @@ def test_variant_ratios_divide_by_the_grpo_row_of_the_same_size():
     (line,) = report.variant_ratios(rows)  # m2po has no GRPO row of its size
     assert line.startswith("`policy:gmpo` / `grpo` (fwd+bwd, N=4096")
     assert "time 1.1" in line and "memory 0.5" in line
+
+
+def test_the_oracle_reads_an_on_policy_value_against_the_advantages():
+    """On-policy a sequence-ratio loss is −mean(a) = 0 on zero-mean advantages: rounding alone
+    is then no relative error, read against mean |a| (the floor); elsewhere ‖want‖ stays."""
+    got, want = torch.tensor(3e-9), torch.tensor(1e-17, dtype=torch.float64)
+    assert bench_oracle.rel_err(got, want) > 1e6
+    assert bench_oracle.rel_err(got, want, floor=0.8) == pytest.approx(3e-9 / 0.8, rel=1e-6)
+    assert (
+        bench_oracle.rel_err(torch.tensor(2.0), torch.tensor(1.0, dtype=torch.float64), 0.5) == 1.0
+    )

@@ -75,15 +75,15 @@ def _variant(workload: str, w: Workload, logps, old, adv, mask) -> torch.Tensor:
     return VARIANTS[mode].fn(logps, old, adv, mask, **VARIANT_OPTIONS[mode], **inputs)[0]
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """‖got − want‖₂ / ‖want‖₂ (the absolute norm when `want` is 0); inf for a shape mismatch
-    or a non-finite value."""
+def rel_err(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> float:
+    """‖got − want‖₂ / max(‖want‖₂, floor) (the absolute norm when both are 0); inf for a shape
+    mismatch or a non-finite value."""
     if got is None or got.shape != want.shape:
         return math.inf
     got = got.detach().double()
     if not torch.isfinite(got).all():
         return math.inf
-    scale = float(want.norm())
+    scale = max(float(want.norm()), floor)
     return float((got - want).norm()) / (scale if scale > 0 else 1.0)
 
 
@@ -98,7 +98,11 @@ def check(step, w: Workload, workload: str, pass_: str, dtype: str) -> tuple[boo
     finally:
         w.zero_grad()
     checked = ("out",) if workload in VALUES_ONLY else QUANTITIES
-    errors = {q: rel_err(got[q], want[q]) for q in checked if q in want}
+    # On-policy a sequence-ratio loss is −mean_i(a_i)·1, 0 on the group's zero-mean advantages:
+    # its value's error is read against mean |a_i|, the size of one sequence's term.
+    on_policy = workload in VARIANT_WORKLOADS and variant_of(workload)[1]
+    floors = {"out": float(head.advantages.abs().mean()) if on_policy else 0.0}
+    errors = {q: rel_err(got[q], want[q], floors.get(q, 0.0)) for q in checked if q in want}
     tol_out, tol_grad = TOLERANCE[dtype]
     bad = [
         f"{q} {e:.3g} > {tol_out if q == 'out' else tol_grad:g}"
