@@ -456,3 +456,25 @@ def test_a_zero_flag_stays_in_the_recorded_command():
     recorded = command(p.parse_args(["--warmup", "0", "--quick"]))
     assert "--warmup 0" in recorded and "--quick" in recorded
     assert "--repeats" not in command(p.parse_args([]))
+
+
+def test_a_variant_row_is_timed_by_turns_with_the_grpo_loss():
+    """A policy variant's row also times our GRPO loss on the same tensors, by turns, and the
+    report prints the median of the per-turn ratios beside the ratio of the two rows."""
+    got = measure.measure_here(tiny(workload="policy:gmpo", repeats=3))
+    assert got["status"] == "ok" and got["grpo_paired_ms"] > 0 and got["vs_grpo_paired"] > 0
+    assert "vs_grpo_paired" not in measure.measure_here(tiny(repeats=1))
+    rows = [report.flatten(measure.measure_here(tiny(repeats=1)), None), report.flatten(got, None)]
+    (line,) = report.variant_ratios(rows)
+    assert f"(paired, by turns: {rows[1]['vs_grpo_paired']:.3g}×)" in line
+
+
+def test_a_csv_from_before_a_column_was_added_reads(tmp_path):
+    old = [c for c in report.COLUMNS if c not in ("grpo_paired_ms", "vs_grpo_paired")]
+    path = tmp_path / "results.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, old)
+        w.writeheader()
+        w.writerow({c: "" for c in old} | {"impl": "ours", "workload": "grpo", "time_ms": "2.5"})
+    (rec,) = report.read_csv(path)
+    assert rec["time_ms"] == 2.5 and rec["vs_grpo_paired"] is None

@@ -44,7 +44,7 @@ from . import oracle
 from .peers import PEERS
 from .presets import Case
 from .process_memory import PeakRSS, status_bytes
-from .workload import Workload, run_step
+from .workload import VARIANT_WORKLOADS, Workload, run_step
 
 PRELOAD = ["torch", "fgrpo_kernels", "fgrpo_kernels.benchmarks.peers", "liger_kernel.chunked_loss",
            "trl.kernels", "cut_cross_entropy"]  # fmt: skip
@@ -113,11 +113,12 @@ class _CudaMemory:
 
 
 class KernelJob:
-    """One peer's step on the case's `Workload`; `run(small)` is one unit of work."""
+    """One peer's step on the case's `Workload` (or `w`, the tensors of a case of the same seed
+    and sizes); `run(small)` is one unit of work."""
 
-    def __init__(self, case: Case):
+    def __init__(self, case: Case, w: Workload | None = None):
         self.step = PEERS[case.impl].step(case.workload, case.device)
-        self.w = Workload.make(case)
+        self.w = Workload.make(case) if w is None else w
         self.pass_ = case.pass_
         self.case = case
 
@@ -302,6 +303,24 @@ def _repeat(job, case: Case) -> tuple[list[float], list[float], float | None, ob
     return times, cpus, first, out
 
 
+def _paired_with_grpo(job, case: Case) -> dict:
+    """Our policy variant against our GRPO loss on the same tensors in the same process, run by
+    turns (variant, GRPO) `repeats` times: the GRPO loss's median time and the median of the
+    per-turn ratios (a drifting machine load hits both alike). Other rows: {}."""
+    if not (isinstance(job, KernelJob) and case.impl == "ours"
+            and case.workload in VARIANT_WORKLOADS):  # fmt: skip
+        return {}
+    grpo = KernelJob(dataclasses.replace(case, workload="grpo"), job.w)
+    base, ratios = [], []
+    for _ in range(max(case.policy.repeats, 1)):
+        t_variant = _time_one(job, case, False)[0]
+        t_grpo = _time_one(grpo, case, False)[0]
+        base.append(t_grpo)
+        ratios.append(t_variant / t_grpo)
+    return {"grpo_paired_ms": 1e3 * statistics.median(base),
+            "vs_grpo_paired": statistics.median(ratios)}  # fmt: skip
+
+
 def _measure_here(case: Case, cap_memory: bool) -> dict:
     why = _unavailable(case)
     if why is not None:
@@ -335,6 +354,7 @@ def _measure_here(case: Case, cap_memory: bool) -> dict:
         compiles = PEERS[case.impl].compiles if case.impl in PEERS else False
         times, cpus, first, out = _repeat(job, case)
         scale, note = _scale_note(job, case)
+        peak = mem.peak() / 2**20  # before the paired runs below
         return row(
             case,
             "ok",
@@ -342,11 +362,12 @@ def _measure_here(case: Case, cap_memory: bool) -> dict:
             time_ms=1e3 * statistics.median(times) * scale,
             cpu_time_ms=1e3 * statistics.median(cpus) * scale,
             check=checked,
-            peak_mem_mib=mem.peak() / 2**20,
+            peak_mem_mib=peak,
             repeats=len(times),
             compile_s=first if compiles else None,
             checksum=_checksum(out),
             process_cpu_s=_cpu_seconds(),
+            **_paired_with_grpo(job, case),
         )
     except Exception as e:  # noqa: BLE001 — every failure is a data point
         peak = None if mem is None else mem.peak() / 2**20

@@ -16,11 +16,12 @@ COLUMNS = (
     "impl", "workload", "tokens", "vocab", "hidden", "dtype", "pass", "time_ms", "peak_mem_mib",
     "status", "backend", "device", "flop_floor_ratio", "batch", "seq_len", "repeats",
     "cpu_time_ms", "compile_s", "case_s", "process_cpu_s", "checksum", "note", "floor_k",
-    "gemm_tflops", "check", "tokens_per_s",
+    "gemm_tflops", "check", "tokens_per_s", "grpo_paired_ms", "vs_grpo_paired",
 )  # fmt: skip
 INTS = ("tokens", "vocab", "hidden", "batch", "seq_len", "repeats", "floor_k")
 FLOATS = ("time_ms", "peak_mem_mib", "flop_floor_ratio", "cpu_time_ms", "compile_s", "case_s",
-          "process_cpu_s", "checksum", "gemm_tflops", "tokens_per_s")  # fmt: skip
+          "process_cpu_s", "checksum", "gemm_tflops", "tokens_per_s", "grpo_paired_ms",
+          "vs_grpo_paired")  # fmt: skip
 # the floor first, ours last, the peers in between
 _MIDDLE = [i for i in dict.fromkeys(ORDER + TRAIN_IMPLS + TRAIN_GPU_IMPLS)
            if i not in ("backbone", "ours")]  # fmt: skip
@@ -59,7 +60,7 @@ def flatten(result: dict, rate: float | None) -> dict:
     )  # fmt: skip
     for key in ("status", "backend", "note", "time_ms", "peak_mem_mib", "repeats", "cpu_time_ms",
                 "compile_s", "case_s", "process_cpu_s", "checksum", "floor_k",
-                "check"):  # fmt: skip
+                "check", "grpo_paired_ms", "vs_grpo_paired"):  # fmt: skip
         out[key] = result.get(key)
     ratio = None
     if rate and out["time_ms"] is not None and out["workload"] in (*WORKLOADS, "gemm"):
@@ -97,7 +98,8 @@ def read_csv(path: Path) -> list[dict]:
     rows = []
     with path.open(newline="") as f:
         for r in csv.DictReader(f):
-            rec = {k: (None if r[k] == "" else r[k]) for k in COLUMNS}
+            # a column added since the file was written reads as blank
+            rec = {k: (None if r.get(k, "") in ("", None) else r[k]) for k in COLUMNS}
             for k in INTS:
                 rec[k] = None if rec[k] is None else int(rec[k])
             for k in FLOATS:
@@ -195,10 +197,12 @@ def variant_ratios(rows: list[dict]) -> list[str]:
         base = grpo.get(size(r))
         if r["workload"].startswith("policy:") and base is not None:
             p, n, b, v, h, dtype = size(r)
+            paired = r.get("vs_grpo_paired")
             out.append(
                 f"`{r['workload']}` / `grpo` ({p}, N={n}, B={b}, V={v}, H={h}, {dtype}): "
-                f"time {_ratio(r['time_ms'], base['time_ms'])}, "
-                f"memory {_ratio(r['peak_mem_mib'], base['peak_mem_mib'])}"
+                f"time {_ratio(r['time_ms'], base['time_ms'])}"
+                + ("" if paired is None else f" (paired, by turns: {paired:.3g}×)")
+                + f", memory {_ratio(r['peak_mem_mib'], base['peak_mem_mib'])}"
             )
     return out
 
