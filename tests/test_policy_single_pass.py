@@ -222,24 +222,33 @@ def test_open_rows_in_other_dtypes(backend, dtype):
         torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
 
 
-@given(
+# rows of up to 13 tokens (OPEN), a sequence-local variant, a seed
+DRAWN = dict(
     lengths=st.lists(st.integers(0, 13), min_size=4, max_size=4),
-    rows=st.integers(4, 9),
     name=st.sampled_from(SCALED),
     seed=st.integers(0, 2**16),
 )
+
+
+@given(rows=st.integers(4, 9), **DRAWN)
 def test_open_rows_on_drawn_lengths(lengths, rows, name, seed):
     """Any mix of row lengths (empty, shorter and longer than a chunk) and chunk sizes: the
     single pass with open rows equals the two-pass path."""
-    h, w, ids, _, adv, old, *_ = inputs(seed, *OPEN)
+    old = inputs(seed, *OPEN)[5]
+    assert_drawn_same(name, lengths, open_row_bytes(rows), seed, UNSCALED.get(name, {}),
+                      old_per_token_logps=old)  # fmt: skip
+
+
+def assert_drawn_same(name, lengths, max_chunk_bytes, seed, options, **forward):
+    """The single pass (chunks of `max_chunk_bytes`) runs and equals the two-pass path on rows of
+    `lengths` tokens (at the OPEN shape)."""
+    h, w, ids, _, adv, *_ = inputs(seed, *OPEN)
     mask = (torch.arange(OPEN[0]) < torch.tensor(lengths)[:, None]).float()
     out = []
-    for max_chunk_bytes in (open_row_bytes(rows), 0):
-        module = FusedLinearPolicyLoss(
-            name, max_chunk_bytes=max_chunk_bytes, **UNSCALED.get(name, {})
-        )
+    for budget in (max_chunk_bytes, 0):
+        module = FusedLinearPolicyLoss(name, max_chunk_bytes=budget, **options)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss, _ = module(hh, ww, ids, mask, adv, old_per_token_logps=old)
+        loss, _ = module(hh, ww, ids, mask, adv, **forward)
         out.append((module.last_pass, loss, *torch.autograd.grad(loss, (hh, ww))))
     assert out[0][0] == "single"
     for got, want in zip(out[0][1:], out[1][1:]):
@@ -319,26 +328,10 @@ def test_on_policy_with_the_samplers_log_probs_stays_sequence_local():
     assert_same(single, run("gspo_token", 0, **options))
 
 
-@given(
-    lengths=st.lists(st.integers(0, 13), min_size=4, max_size=4),
-    rows=st.integers(1, 9),
-    name=st.sampled_from(SCALED),
-    seed=st.integers(0, 2**16),
-)
+@given(rows=st.integers(1, 9), **DRAWN)
 def test_on_policy_on_drawn_lengths(lengths, rows, name, seed):
     """Any row lengths and chunks of 1 to 9 rows, the source's KL terms and entropy bonus on:
     the on-policy single pass equals the two-pass path."""
-    h, w, ids, _, adv, *_ = inputs(seed, *OPEN)
     ref = inputs(seed, *OPEN)[6]
-    mask = (torch.arange(OPEN[0]) < torch.tensor(lengths)[:, None]).float()
-    out = []
-    for max_chunk_bytes in (rows_of_bytes(rows, OPEN[1]), 0):
-        module = FusedLinearPolicyLoss(
-            name, max_chunk_bytes=max_chunk_bytes, **OPTIONS.get(name, {})
-        )
-        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss, _ = module(hh, ww, ids, mask, adv, ref_per_token_logps=ref)
-        out.append((module.last_pass, loss, *torch.autograd.grad(loss, (hh, ww))))
-    assert out[0][0] == "single"
-    for got, want in zip(out[0][1:], out[1][1:]):
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+    assert_drawn_same(name, lengths, rows_of_bytes(rows, OPEN[1]), seed, OPTIONS.get(name, {}),
+                      ref_per_token_logps=ref)  # fmt: skip
