@@ -9,14 +9,18 @@ order: the plain cuBLAS bf16 GEMM of the shape (2·N·H·V: the rate every row's
 GRPO loss (dapo, β 0.04, B 8) on the single pass with the logits buffer auto
 (`backends.memory`), 1, 4, 2, 8, 0.5 GiB, each row-kernel candidate (`configs.ROW_CANDIDATES`,
 auto buffer), and the log-prob primitive fwd+bwd through the Triton tiles and through the
-cuBLAS chunk path ($FGRPO_PRIMITIVE=cublas). Every row: the median total and each phase
-(logits GEMM, stats kernel, grad kernel, dh GEMM, dW GEMM, bias, epilogue; summed over chunks,
-CUDA events through the `backends.phases` hook; perf_counter under --tiny), chunks, the cuBLAS
-rate, the floor (6·N·H·V loss, 8·N·H·V primitive) at that rate and the ratio to it, peak memory
-beyond the inputs. Before each case its cost is estimated from the measured GEMM time
-((1 + iters) rounds of ~5 GEMMs, plus a first call); a case that does not fit the time left is
-a "skipped (time budget)" row. DIR/gpu_perf.csv is appended and flushed row by row;
-DIR/meta.json at the start and end. Installs nothing. Exit 1 if a correctness row fails.
+cuBLAS chunk path ($FGRPO_PRIMITIVE=cublas); last, at the first N, policy-loss variants on the
+same batch (`POLICY`: gmpo and gspo with old log-probs, where rows longer than a chunk need
+open rows, and on-policy, where they chunk as token-local; vanilla; kl_cov), and gmpo off- and
+on-policy at the last N, each with the path it took (`path`; the floor 6·N·H·V on the single
+pass, else 8), beside the GRPO loss's buffer_auto row of that N. Every row: the median total
+and each phase (logits GEMM, stats kernel, grad kernel, dh GEMM, dW GEMM, bias, epilogue;
+summed over chunks, CUDA events through the `backends.phases` hook; perf_counter under --tiny),
+chunks, the cuBLAS rate, the floor (6·N·H·V loss, 8·N·H·V primitive) at that rate and the ratio
+to it, peak memory beyond the inputs. Before each case its cost is estimated from the measured
+GEMM time ((1 + iters) rounds of ~5 GEMMs, plus a first call); a case that does not fit the
+time left is a "skipped (time budget)" row. DIR/gpu_perf.csv is appended and flushed row by
+row; DIR/meta.json at the start and end. Installs nothing. Exit 1 if a correctness row fails.
 """
 
 from __future__ import annotations
@@ -57,13 +61,18 @@ from fgrpo_kernels.backends.triton import bytes_per_row, configs, cublas_chunks 
 COLUMNS = ("variant", "N", "H", "V", "status", "buffer_bytes", "chunks", "row_config",
            "total_ms", *(f"{p}_ms" for p in phases.PHASES), "other_ms", "first_call_s",
            "peak_extra_gib", "cublas_ms", "cublas_tflops", "floor", "floor_ms",
-           "ratio_to_floor", "agree_with", "agree_rel", "quantity", "rel_err", "tol")  # fmt: skip
+           "ratio_to_floor", "agree_with", "agree_rel", "quantity", "rel_err", "tol",
+           "path")  # fmt: skip
 BUFFERS = ("auto", 1.0, 4.0, 2.0, 8.0, 0.5)  # GiB, in priority order
 GEMMS_PER_ROUND = 5.0  # a loss round ≈ 3 GEMMs + the memory-bound passes; primitive 4 + …
 # A variant's (output, dh, dW) against the first variant of its kind at that N, relative norm:
 # chunking and tiles change only the summation order (bf16 gradients: ~1e-3); a broken config
 # is O(1) off. Above AGREE_TOL the row is "mismatch" and the run exits 1.
 AGREE_TOL = 2e-2
+# policy variants (`fgrpo bench` workload names without "policy:"), at the first N, and those
+# of LONG_POLICY at the last (sequences of N / 8 tokens: longer than a chunk there)
+POLICY = ("gmpo", "gmpo@on-policy", "gspo", "gspo@on-policy", "vanilla", "kl_cov")
+LONG_POLICY = ("gmpo", "gmpo@on-policy")
 
 
 @contextmanager
@@ -152,6 +161,24 @@ def loss_step(h, w, y, max_chunk_bytes):
     return step
 
 
+def policy_step(h, w, y, workload: str, max_chunk_bytes):
+    """(step, module): a policy variant on the GRPO row's batch, old log-probs = its reference
+    ones (`@on-policy`: none), the variant's source defaults (`VARIANT_OPTIONS`)."""
+    from fgrpo_kernels.benchmarks.workload import VARIANT_OPTIONS, variant_of
+    from fgrpo_kernels.losses.policy import FusedLinearPolicyLoss
+
+    mode, on_policy = variant_of(f"policy:{workload}")
+    module = FusedLinearPolicyLoss(mode, max_chunk_bytes=max_chunk_bytes, **VARIANT_OPTIONS[mode])
+    hb, ids, mask, adv, ref = gpu_timing._grpo_batch(h, y)
+
+    def step():
+        loss = module(hb, w, ids, mask, adv, old_per_token_logps=None if on_policy else ref)[0]
+        loss.backward()
+        return loss
+
+    return step, module
+
+
 def primitive_step(h, w, y):
     g_up = torch.randn(len(y), device=h.device, generator=torch.Generator(h.device).manual_seed(3))
 
@@ -178,6 +205,9 @@ def plan(tiny: bool):
             )
         out.append(("primitive_tiles", N, ("tiles", None, None)))
         out.append(("primitive_cublas", N, ("cublas", None, None)))
+    out += [(f"policy_{v}", Ns[0], ("policy", "auto", v)) for v in POLICY]
+    if Ns[-1] != Ns[0]:
+        out += [(f"policy_{v}", Ns[-1], ("policy", "auto", v)) for v in LONG_POLICY]
     return out
 
 
@@ -241,8 +271,14 @@ def main(argv=None) -> int:
                          "cublas_tflops": r["tflops"]}]  # fmt: skip
             h, w, y = inputs(N, H, V, dev)
             row = {}
-            forced = configs.forced(rows=cfg) if cfg is not None else nullcontext()
-            if kind == "loss":
+            forced = configs.forced(rows=cfg) if kind == "loss" and cfg else nullcontext()
+            if kind == "policy":
+                nbytes = buffer_of(buf, h, V, dev, args.tiny)
+                step, module = policy_step(h, w, y, cfg, None if not args.tiny else nbytes)
+                got, out = timed(step, (h, w), dev, args.iters)
+                row |= {"buffer_bytes": nbytes, "path": module.last_pass}
+                floor, flops = ("6NHV", 6) if module.last_pass == "single" else ("8NHV", 8)
+            elif kind == "loss":
                 nbytes = buffer_of(buf, h, V, dev, args.tiny)
                 rows = max(nbytes // bytes_per_row(h, V), 1)
                 row |= {"buffer_bytes": nbytes, "chunks": -(-N // rows)}
@@ -261,7 +297,7 @@ def main(argv=None) -> int:
                                 "chunks": -(-N // rows)}  # fmt: skip
                     got, out = timed(primitive_step(h, w, y), (h, w), dev, args.iters)
             row |= got
-            group = "loss" if kind == "loss" else "primitive"
+            group = {"loss": "loss", "policy": variant}.get(kind, "primitive")
             if (group, N) not in agree:
                 agree[(group, N)] = (variant, out)
             else:
@@ -269,7 +305,7 @@ def main(argv=None) -> int:
                 row |= {"agree_with": first, "agree_rel": disagreement(out, want)}
                 if row["agree_rel"] > AGREE_TOL:
                     row["status"] = f"mismatch (> {AGREE_TOL:g} against {first})"
-            c = cfg or configs.row_config(args.tiny)
+            c = cfg if kind == "loss" and cfg else configs.row_config(args.tiny)
             rate = 2 * N * H * V / gemm_ms[N]  # FLOP per ms
             floor_ms = flops * N * H * V / rate
             row |= {"row_config": f"{c.block_n}x{c.block_v}/w{c.num_warps}",

@@ -190,6 +190,12 @@ def test_gpu_perf_tiny_writes_the_phase_csv(tmp_path):
     assert {r["agree_with"] for r in checked} == {"buffer_auto", "primitive_tiles"}
     assert len(checked) == len(loss) - 1 + 3 + 1, [r["variant"] for r in checked]
     assert all(0 <= float(r["agree_rel"]) <= 2e-2 for r in checked), checked
+    import gpu_perf
+
+    # the policy variants beside the GRPO loss (tiny: one N, so no long-sequence rows)
+    policy = {r["variant"]: r for r in rows if r["variant"].startswith("policy_")}
+    assert set(policy) == {f"policy_{v}" for v in gpu_perf.POLICY}
+    assert all(r["path"] == "single" and r["floor"] == "6NHV" for r in policy.values()), policy
     corr = [r for r in rows if r["variant"] == "correctness"]
     assert {"loss", "d_hidden", "d_weight", "single_pass_ran"} <= {r["quantity"] for r in corr}
     assert all(float(r["rel_err"]) <= float(r["tol"]) for r in corr), corr
