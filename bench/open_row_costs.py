@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
 import torch
 
 from fgrpo_kernels.backends import phases
+from fgrpo_kernels.benchmarks import peers
 from fgrpo_kernels.benchmarks.peers import PEERS
 from fgrpo_kernels.benchmarks.presets import Case
 from fgrpo_kernels.benchmarks.workload import Workload, run_step
@@ -55,16 +55,9 @@ def main(argv=None) -> None:
     for n in map(int, args.tokens.split(",")):
         w = Workload.make(Case("ours", "grpo", "fwd+bwd", n, V, H, "float32", "cpu", B))
 
-        def small_budget(w, step=grpo):
-            os.environ["FGRPO_MAX_CHUNK_BYTES"] = str(DEFAULT_BYTES["cpu"] - open_dw)
-            try:
-                return step(w)
-            finally:
-                del os.environ["FGRPO_MAX_CHUNK_BYTES"]
-
         rows = {
             "grpo": grpo,
-            "grpo@open-rows": small_budget,
+            "grpo@open-rows": peers._ours_grpo(DEFAULT_BYTES["cpu"] - open_dw)("cpu"),
             args.mode: PEERS["ours"].step(f"policy:{args.mode}", "cpu"),
             f"{args.mode}@on-policy": PEERS["ours"].step(f"policy:{args.mode}@on-policy", "cpu"),
         }

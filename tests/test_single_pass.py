@@ -447,16 +447,23 @@ def test_regression_the_first_call_imports_no_torch_subsystem():
 OPEN_B, OPEN_T, OPEN_H, OPEN_V = 4, 13, 3, 23
 
 
-def open_call(kind, max_chunk_bytes):
-    """(module, loss, d/d(hidden, weight)) of a GSPO (GRPO at sequence level), sequence-level
-    f-GRPO or FDO call on rows of 13, 4, 0 and 11 tokens."""
-    gen = torch.Generator().manual_seed(5)
+def open_inputs(seed):
+    """(gen, hidden, weight, ids, mask, ref, advantages) on rows of 13, 4, 0 and 11 tokens; `gen`
+    draws on after them."""
+    gen = torch.Generator().manual_seed(seed)
     h = torch.randn(OPEN_B, OPEN_T, OPEN_H, generator=gen, requires_grad=True)
     w = torch.randn(OPEN_V, OPEN_H, generator=gen, requires_grad=True)
     ids = torch.randint(0, OPEN_V, (OPEN_B, OPEN_T), generator=gen)
     mask = (torch.arange(OPEN_T) < torch.tensor([13, 4, 0, 11])[:, None]).float()
     ref = -3.0 + torch.randn(OPEN_B, OPEN_T, generator=gen)
     adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
+    return gen, h, w, ids, mask, ref, adv
+
+
+def open_call(kind, max_chunk_bytes):
+    """(module, loss, d/d(hidden, weight)) of a GSPO (GRPO at sequence level), sequence-level
+    f-GRPO or FDO call on rows of 13, 4, 0 and 11 tokens."""
+    gen, h, w, ids, mask, ref, adv = open_inputs(5)
     if kind == "gspo":
         # near-on-policy old log-probs: GSPO's ±0.2 clip on the sequence ratio holds its side
         # as the row goes on (a side that changes costs the row a rerun, tests/test_policy_...)
@@ -498,13 +505,8 @@ def test_open_rows_of_the_sequence_level_losses(backend, kind):
 def test_on_policy_gspo_chunks_split_sequences(backend, beta):
     """Without old log-probs GSPO's sequence ratio is 1: chunks of 3 rows split rows of 13 and
     11 tokens with no open row, a β term included, and equal the two-pass path."""
-    gen = torch.Generator().manual_seed(9)
-    h = torch.randn(OPEN_B, OPEN_T, OPEN_H, generator=gen)
-    w = torch.randn(OPEN_V, OPEN_H, generator=gen)
-    ids = torch.randint(0, OPEN_V, (OPEN_B, OPEN_T), generator=gen)
-    mask = (torch.arange(OPEN_T) < torch.tensor([13, 4, 0, 11])[:, None]).float()
-    ref = -3.0 + torch.randn(OPEN_B, OPEN_T, generator=gen)
-    adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
+    _, h, w, ids, mask, ref, adv = open_inputs(9)
+    h, w = h.detach(), w.detach()
     row = select_backend(torch.device("cpu")).bytes_per_row(torch.empty(1, OPEN_H), OPEN_V)
     out = []
     for budget in (3 * row, 0):

@@ -188,13 +188,18 @@ def plan(hidden, weight, lengths: list[int], loss: ChunkedLoss | str, max_bytes:
     return backend, max_rows, chunks, None
 
 
+def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """What the sweep forms log-probs and gradients in: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(hidden.dtype, torch.float32)
+
+
 def _open_rows(backend, hidden, V, bias, lengths, loss, max_bytes, per_row, why):
     """The plan of a `scaled` loss whose longest row exceeds a chunk: the open row's dW and,
     with a bias, db (fp32 [V, H] and [V]) take their bytes out of the budget, at most half of
     it; else why not."""
     if not (loss.scaled and loss.locality == Locality.ROW):
         return why
-    acc = torch.promote_types(hidden.dtype, torch.float32).itemsize
+    acc = _acc_dtype(hidden).itemsize
     open_bytes = V * (hidden.shape[-1] + bool(bias)) * acc
     max_rows = (max_bytes - open_bytes) // per_row
     if 2 * open_bytes > max_bytes or max_rows == 0:
@@ -301,7 +306,7 @@ class _Sweep:
         self.starts = [0]
         for n in mask.bool().sum(-1).tolist()[:-1]:
             self.starts.append(self.starts[-1] + n)
-        self.acc = acc = torch.promote_types(h.dtype, torch.float32)
+        self.acc = acc = _acc_dtype(h)
         self.logits = backend.logits_buffer(min(max_rows, N), V, h)
         self.logp = h.new_zeros(N, dtype=acc)
         self.ent = h.new_zeros(N, dtype=acc) if entropy else None
@@ -427,10 +432,9 @@ class _Sweep:
         g, g_en = self.grads(0, N)
         d = g - self.provisional[0]
         d_en = None if g_en is None else g_en - self.provisional[1]
-        tol = 128 * torch.finfo(g.dtype).eps
-        off = d.abs() > tol * torch.maximum(g.abs(), self.provisional[0].abs())
+        off = ~_agree(g, self.provisional[0])
         if d_en is not None:
-            off |= d_en.abs() > tol * torch.maximum(g_en.abs(), self.provisional[1].abs())
+            off |= ~_agree(g_en, self.provisional[1])
         idx = off.nonzero().flatten()
         rows = self.logits.shape[0]
         for k0 in range(0, idx.numel(), rows):
@@ -463,8 +467,13 @@ def _common_scale(g, g_en, stored, early: int) -> float | None:
     den = float((x * x).sum())
     r = float((x * y).sum()) / den if den > 0 else 0.0
     # token by token: a row's outlier (a log-ratio of 30 in a KL term) must not hide the rest
-    tol = 128 * torch.finfo(g.dtype).eps * torch.maximum(y.abs(), (r * x).abs())
-    return r if bool(((y - r * x).abs() <= tol).all()) else None
+    return r if bool(_agree(y, r * x, torch.finfo(g.dtype).eps).all()) else None
+
+
+def _agree(a: torch.Tensor, b: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    """Element by element, a and b within 128 ulps (of `eps`, else a's dtype) of the larger."""
+    eps = torch.finfo(a.dtype).eps if eps is None else eps
+    return (a - b).abs() <= 128 * eps * torch.maximum(a.abs(), b.abs())
 
 
 def _rescale(r: float, *grads):
@@ -501,13 +510,13 @@ def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) 
               and opts.off_policy_mask_threshold is None and opts.entropy_coef == 0.0)  # fmt: skip
 
     def grad(rows, m, lp, ent):
-        if scaled and old is not None:
-            # an open row's absent tokens at their old log-probs (log-ratio 0), as the policy
-            # variants do: the row's mean log-ratio so far is damped towards the whole row's,
-            # and its clip side changes (and the fold fails) less often than on the live mean
-            lp, m = torch.where(m.bool(), lp, old[rows].to(lp.dtype)), mask[rows]
-        elif on_policy_gspo:  # the row's whole mask (its count), absent tokens' log-ratio 0
-            lp, m = torch.where(m.bool(), lp, 0.0), mask[rows]
+        if scaled or on_policy_gspo:
+            # the row's whole mask, its absent tokens at log-ratio 0 (at their old log-probs; on
+            # policy any value: old is the current one): an open row's mean log-ratio so far is
+            # damped towards the whole row's, as the policy variants do, and its clip side
+            # changes (and the fold fails) less often than on the live mean
+            fill = 0.0 if old is None else old[rows].to(lp.dtype)
+            lp, m = torch.where(m.bool(), lp, fill), mask[rows]
         sub = grpo_math.Normalisers(norms.row_scale[rows], None, norms.entropy_scale)
         _, d, d_ent = epilogue.grpo(lp, ent, _rows(old, rows), _rows(ref, rows), m,
                                     advantages[rows], _rows(ratio, rows), _rows(sampling, rows),
