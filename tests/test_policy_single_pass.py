@@ -4,6 +4,8 @@ variants) or to hold several whole ones (sequence-local): the loss, the gradient
 and weight, and the metrics. The variants that need the whole batch's log-probs first, and the
 option sets that make a variant batch-wide, say why they take the two-pass path."""
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given
@@ -152,6 +154,13 @@ def open_row_bytes(rows: int, dtype=torch.float32, bias=False) -> int:
     return V * (H + bias) * acc + rows_of_bytes(rows, H, dtype)
 
 
+def earlier_pieces(mask, rows: int) -> int:
+    """How many chunks of `rows` rows are an open row's earlier pieces: each takes the variant's
+    token part (`Variant.token_part`) in place of a gradient call on the row so far."""
+    chunks, pieces = single_pass.plan_pieces(mask.sum(-1).int().tolist(), rows)
+    return sum(p is not None and c[1] < p[1] for c, p in zip(chunks, pieces))
+
+
 def phase_calls(fn):
     """(fn(), {phase: calls}) with a CPU phase recorder installed."""
     rec = phases.Recorder(cuda=False)
@@ -164,11 +173,15 @@ def phase_calls(fn):
 @pytest.mark.parametrize("rows", [4, 6])
 def test_open_rows_equal_two_pass(backend, name, rows):
     """Rows of 13 and 3 tokens in chunks of 4 or 6 rows: each long row's earlier pieces go into
-    the open row's dW unscaled and are folded in at its end; no piece runs twice."""
+    the open row's dW on the scale of the variant's token part and are folded in at its end; no
+    piece runs twice, and the variant's gradient runs once a row, not once a piece."""
     opts = UNSCALED.get(name, {})
     single, calls = phase_calls(lambda: run(name, open_row_bytes(rows), shape=OPEN, **opts))
     assert single[0] == "single"
     assert calls.get("open_row_fold", 0) == 2 and "open_row_rerun" not in calls, calls
+    parts = earlier_pieces(inputs(0, *OPEN)[3], rows)
+    chunks = len(single_pass.plan_pieces([13, 3, 0, 13], rows)[0])
+    assert (calls.get("open_row_part"), calls.get("epilogue")) == (parts, chunks - parts), calls
     assert_same(single, run(name, 0, shape=OPEN, **opts))
 
 
@@ -186,20 +199,28 @@ OPEN_ROW_OPTIONS = [
 def test_open_rows_with_options(backend, name, options):
     options = {**UNSCALED.get(name, {}), **options}
     for seed in (0, 1):
-        single = run(name, open_row_bytes(4), seed=seed, shape=OPEN, **options)
-        assert single[0] == "single"
+        single, calls = phase_calls(
+            functools.partial(run, name, open_row_bytes(4), seed=seed, shape=OPEN, **options)
+        )
+        assert single[0] == "single" and "open_row_rerun" not in calls, calls
         assert_same(single, run(name, 0, seed=seed, shape=OPEN, **options))
 
 
-def test_regression_an_open_row_whose_gradient_is_not_scaled_runs_again(monkeypatch):
+@pytest.mark.parametrize("token_part", [True, False])
+def test_regression_an_open_row_whose_gradient_is_not_scaled_runs_again(monkeypatch, token_part):
     """The open row's fold is checked at the row's end: GMPO with a KL term (dL/dlogp = c_i·u_t
     plus each token's own k3 term) flagged as scaled gets its earlier pieces run again with the
-    true gradient instead of a wrong fold. Row 3 has advantage 0: its gradient is the k3 term
-    alone, unchanged as the row goes on (r = 1), and is folded."""
+    true gradient instead of a wrong fold. GMPO's token part (u_t without the k3 term) misses
+    on both long rows; without it, each piece's gradient with the row so far live: row 3 has
+    advantage 0, its gradient is the k3 term alone, unchanged as the row goes on (r = 1), and
+    is folded."""
     monkeypatch.setattr(PolicyStep, "_row_scaled", lambda self: True)
+    if not token_part:
+        monkeypatch.setattr(PolicyStep, "_token_part", lambda self, corrected, old: None)
     single, calls = phase_calls(lambda: run("gmpo", open_row_bytes(4), shape=OPEN, beta=0.05))
     assert single[0] == "single"
-    assert calls.get("open_row_rerun", 0) == 1 and calls.get("open_row_fold", 0) == 1, calls
+    want = (2, 0) if token_part else (1, 1)
+    assert (calls.get("open_row_rerun", 0), calls.get("open_row_fold", 0)) == want, calls
     assert_same(single, run("gmpo", 0, shape=OPEN, beta=0.05))
 
 
@@ -248,9 +269,11 @@ def assert_drawn_same(name, lengths, max_chunk_bytes, seed, options, **forward):
     for budget in (max_chunk_bytes, 0):
         module = FusedLinearPolicyLoss(name, max_chunk_bytes=budget, **options)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-        loss, _ = module(hh, ww, ids, mask, adv, **forward)
-        out.append((module.last_pass, loss, *torch.autograd.grad(loss, (hh, ww))))
-    assert out[0][0] == "single"
+        (loss, _), calls = phase_calls(functools.partial(module, hh, ww, ids, mask, adv, **forward))
+        out.append((module.last_pass, loss, *torch.autograd.grad(loss, (hh, ww)), calls))
+    # the token parts hold: no open row runs again
+    assert out[0][0] == "single" and "open_row_rerun" not in out[0][-1], out[0][-1]
+    out = [o[:-1] for o in out]
     for got, want in zip(out[0][1:], out[1][1:]):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 

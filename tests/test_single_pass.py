@@ -486,7 +486,8 @@ def open_call(kind, max_chunk_bytes):
 @pytest.mark.parametrize("kind", ["gspo", "fgrpo", "fdo"])
 def test_open_rows_of_the_sequence_level_losses(backend, kind):
     """Rows longer than a chunk of 4 rows run as open rows (one fold per long row, no rerun)
-    and equal the two-pass path."""
+    and equal the two-pass path; a long row's earlier pieces take the loss's token part (the
+    rows of 13 and 11 tokens: 3 and 2 of them), its last the gradient."""
     budget = OPEN_V * OPEN_H * 4 + 4 * select_backend(torch.device("cpu")).bytes_per_row(
         torch.empty(1, OPEN_H), OPEN_V
     )
@@ -495,10 +496,39 @@ def test_open_rows_of_the_sequence_level_losses(backend, kind):
         module, loss, grads = open_call(kind, budget)
     assert module.last_pass == "single"
     assert rec.calls.get("open_row_fold") == 2 and "open_row_rerun" not in rec.calls
+    assert rec.calls.get("open_row_part") == 5, rec.calls
     _, want, want_grads = open_call(kind, 0)
     torch.testing.assert_close(loss, want, rtol=2e-5, atol=2e-6)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("ratio_shape", [(OPEN_B, OPEN_T), (OPEN_B, 1)])
+def test_regression_open_rows_of_gspo_with_a_vllm_ratio_fold(backend, ratio_shape):
+    """GSPO's token part is 1 with a vLLM IS ratio too: ρ_t weighs token t's loss term, a
+    function of the sequence ratio, whose gradient is the same on every token (a token part of
+    ρ_t, the first one written, missed on per-token ρ and ran the rows again). The long rows
+    fold with no rerun and equal the two-pass path."""
+    gen, h, w, ids, mask, ref, adv = open_inputs(7)
+    h, w = h.detach(), w.detach()
+    old = ref + 0.05 * torch.randn(OPEN_B, OPEN_T, generator=gen)
+    rho = 0.5 + torch.rand(ratio_shape, generator=gen)
+    budget = OPEN_V * OPEN_H * 4 + 4 * select_backend(torch.device("cpu")).bytes_per_row(
+        torch.empty(1, OPEN_H), OPEN_V
+    )
+    out = []
+    for max_chunk_bytes in (budget, 0):
+        module = fk.FusedLinearGRPOLoss("grpo", 0.0, importance_sampling_level="sequence",
+                                        max_chunk_bytes=max_chunk_bytes)  # fmt: skip
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        rec = phases.Recorder(cuda=False)
+        with phases.recording(rec):
+            loss = module(hh, ww, ids, mask, adv, old_per_token_logps=old, vllm_is_ratio=rho)[0]
+        out.append((module.last_pass, dict(rec.calls), loss, *torch.autograd.grad(loss, (hh, ww))))
+    assert out[0][0] == "single" and out[0][1].get("open_row_fold") == 2, out[0][1]
+    assert "open_row_rerun" not in out[0][1], out[0][1]
+    for got, want in zip(out[0][2:], out[1][2:]):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])

@@ -1,7 +1,7 @@
 """A timing hook on the single pass's phases, off unless a `Recorder` is installed.
 
 The pipeline marks its phases with `with phase(name):` (logits_gemm, stats_kernel, grad_kernel,
-dh_gemm, dw_gemm, bias, epilogue, an open row's fold or rerun and a batch-wide loss's
+dh_gemm, dw_gemm, bias, epilogue, an open row's token parts, fold or rerun and a batch-wide loss's
 correction in losses/single_pass.py); with no recorder that is one global read.
 bench/gpu_perf.py installs one with `recording(recorder)`: CUDA events around each phase on a
 GPU (summed after one synchronisation), perf_counter on the CPU.
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 PHASES = ("logits_gemm", "stats_kernel", "grad_kernel", "dh_gemm", "dw_gemm", "bias", "epilogue",
-          "open_row_fold", "open_row_rerun", "batch_correction")  # fmt: skip
+          "open_row_part", "open_row_fold", "open_row_rerun", "batch_correction")  # fmt: skip
 _recorder = None
 
 

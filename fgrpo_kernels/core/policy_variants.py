@@ -53,6 +53,34 @@ def sign_clipped_log_ratio(lr, sign, low: float, high: float) -> torch.Tensor:
     return sign * torch.minimum(sign * lr, sign * lr.clamp(-low, high))
 
 
+def sign_clip_passes(lr, sign, low: float, high: float) -> torch.Tensor:
+    """d/dl of `sign_clipped_log_ratio` as autograd forms it (at a bound min's tie halves and
+    clamp's edge passes: 1): 1.0 where l ≤ high (s > 0) or l ≥ −low (s < 0), else 0.0."""
+    return torch.where(sign > 0, lr <= high, (sign < 0) & (lr >= -low)).to(lr.dtype)
+
+
+# ----------------------------------------------------------------------------- token parts
+# A sequence-local variant whose dL/dlogp_t is c_i·u_t (c_i a number of the row i, u_t one of
+# the token t alone) may give `<name>_token_part(lr, a, m, w, opts) -> u` [n] from the tokens'
+# log-ratios lr, advantages a, mask m, IS weights w (None: none) and the resolved options
+# `opts`: the single pass's open rows take it for a row's earlier pieces and check it against
+# the true gradient at the row's end (losses/single_pass.py).
+
+
+def gmpo_token_part(lr, a, m, w, opts):
+    """GMPO's u_t = m_t where the sign-clipped log-ratio passes lr's gradient (sign +1 where
+    a > 0, else −1, as TRL), else 0; c_i = −a_i·S_i / (B·max(Σ m', 1)·steps)."""
+    high = opts.epsilon if opts.epsilon_high is None else opts.epsilon_high
+    return m * sign_clip_passes(lr, torch.where(a > 0, 1.0, -1.0), opts.epsilon, high)
+
+
+def sequence_ratio_token_part(lr, a, m, w, opts):
+    """GSPO-token's (TRL) and verl gspo's u_t = m_t·a_t·w_t: token t's term −a_t·w_t·s_it, with
+    s_it = sg(s_i)·e^(l_t − sg(l_t)), takes the row's value and clip (c_i) and token t's
+    gradient."""
+    return m * a if w is None else m * a * w
+
+
 def detached(metrics: dict) -> Metrics:
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
 

@@ -23,6 +23,7 @@ from .policy_variants import (
     compute_dtype,
     detached,
     row_mean,
+    sign_clip_passes,
     sign_clipped_log_ratio,
     token_advantages,
 )
@@ -281,3 +282,9 @@ def geo_mean_loss(logp, old_logp, advantages, mask, opts):
     clipped = (lr != lr.clamp(-low, high)).to(m.dtype)
     metrics = _pg_metrics(m, clipped * (a > 0), lr, clipped * (a < 0))
     return pg.sum() / max(pg.numel(), 1), detached(metrics)
+
+
+def geo_mean_token_part(lr, a, m, w, opts):
+    """verl geo_mean's u_t = m_t where the sign(a_t)-clipped log-ratio passes lr's gradient,
+    else 0 (`policy_variants.gmpo_token_part`; ā_i, the ratio and w's geometric mean are c_i)."""
+    return m * sign_clip_passes(lr, torch.sign(a), *_bounds(opts))

@@ -21,10 +21,11 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
-from ..core import policy_m2po, policy_variants, policy_variants_verl_pg
+from ..core import policy_m2po, policy_variants, policy_variants_verl, policy_variants_verl_pg
 from ..core import validation as check
 from ..core.kl_estimators import KLPenalty
 from ..core.policy_variants_verl import AGG_MODES, agg_loss
@@ -46,15 +47,22 @@ PER_CALL = (
 )
 
 
+# the IS weights a variant takes, by the name it takes them under
+WEIGHTS = ("rollout_is_weights", "vllm_is_ratio")
+
+
 @dataclass(frozen=True)
 class Variant:
     """One policy loss: `fn(logp, old_logp, advantages, mask, **kw) -> (loss, metrics)`;
     `source` names whose semantics it follows ("trl", "verl", "m2po"); `locality`: what a
-    token's dL/dlogp depends on (`single_pass.Locality`), or why it has no single pass (str)."""
+    token's dL/dlogp depends on (`single_pass.Locality`), or why it has no single pass (str);
+    `token_part` (a sequence-local one): u_t of its dL/dlogp_t = c_i·u_t from the token's own
+    numbers (`core.policy_variants`, "token parts"), or None."""
 
     fn: Callable
     source: str
     locality: Locality | str
+    token_part: Callable | None = None
 
     def parameters(self) -> dict:
         return dict(_parameters(self.fn))
@@ -64,6 +72,13 @@ class Variant:
 
     def takes(self, name: str) -> bool:
         return name in self.parameters()
+
+    def resolved(self, options: dict) -> SimpleNamespace:
+        """Every option by name: `options` over the defaults of the signature."""
+        params = self.parameters()
+        defaults = {k: params[k].default for k in self.options()
+                    if params[k].default is not inspect.Parameter.empty}  # fmt: skip
+        return SimpleNamespace(**{**defaults, **options})
 
     def required(self) -> tuple[str, ...]:
         """The options without a default (dro's dro_beta): the constructor must get them."""
@@ -94,15 +109,31 @@ VERL_LOCALITY = {
     "dppo_kl": Locality.TOKEN,
     "kl_cov": Locality.BATCH,  # the top-k of the batch's token covariance
 }
+VERL_TOKEN_PARTS = {
+    "gspo": policy_variants.sequence_ratio_token_part,
+    "geo_mean": policy_variants_verl.geo_mean_token_part,
+}
 VARIANTS: dict[str, Variant] = {
-    "gmpo": Variant(policy_variants.gmpo_loss, "trl", Locality.ROW),
-    "gspo_token": Variant(policy_variants.gspo_token_loss, "trl", Locality.ROW),
+    "gmpo": Variant(
+        policy_variants.gmpo_loss, "trl", Locality.ROW, policy_variants.gmpo_token_part
+    ),  # fmt: skip
+    "gspo_token": Variant(
+        policy_variants.gspo_token_loss,
+        "trl",
+        Locality.ROW,
+        policy_variants.sequence_ratio_token_part,
+    ),  # fmt: skip
     **{
-        name: Variant(fn, "verl", VERL_LOCALITY[name])
+        name: Variant(fn, "verl", VERL_LOCALITY[name], VERL_TOKEN_PARTS.get(name))
         for name, fn in policy_variants_verl_pg.POLICY_LOSSES.items()
     },
     "m2po": Variant(policy_m2po.m2po_loss, "m2po", Locality.BATCH),  # τ from the whole batch
 }
+
+
+def _per_token_flat(t: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """t [B], [B, 1] or [B, T] as [B·T], each row's value on each of its tokens."""
+    return (t[:, None] if t.dim() == 1 else t).expand(B, T).reshape(-1)
 
 
 def variant(loss_mode: str) -> Variant:
@@ -158,7 +189,32 @@ class PolicyStep(LossStep):
         locality = self.module.variant.locality
         if locality == Locality.ROW and self._log_ratios_vanish():
             locality = Locality.TOKEN
-        return single_pass.ChunkedLoss(locality, grad, value, scaled=self._row_scaled())
+        scaled = self._row_scaled()
+        part = self._token_part(corrected, old) if scaled and locality == Locality.ROW else None
+        return single_pass.ChunkedLoss(locality, grad, value, scaled=scaled, token_part=part)
+
+    def _token_part(self, corrected, old):
+        """`ChunkedLoss.token_part` of a variant that has one (`Variant.token_part`): its u_t on
+        the flat tokens, from per-token tensors laid out once; else None."""
+        fn = self.module.variant.token_part
+        if fn is None:
+            return None
+        kw, mask, _ = self._call_inputs(corrected)
+        shape = mask.shape
+        w = next((kw[k] for k in WEIGHTS if kw.get(k) is not None), None)
+        w = None if w is None else _per_token_flat(w, *shape)
+        a, m = _per_token_flat(self.adv, *shape), mask.reshape(-1)
+        opts = self.module.variant.resolved(self.module.options)
+
+        def part(idx, lp):
+            dtype = policy_variants.compute_dtype(lp, old, a, w)
+            lp = lp.to(dtype)
+            # no old log-probs: they are the current ones, every log-ratio 0
+            lr = torch.zeros_like(lp) if old is None else lp - old.reshape(-1)[idx].to(dtype)
+            ww = None if w is None else w[idx].to(dtype)
+            return fn(lr, a[idx].to(dtype), m[idx].to(dtype), ww, opts)
+
+        return part
 
     def _log_ratios_vanish(self) -> bool:
         """No old log-probs (they are the current ones, detached: TRL's num_iterations=1) and no
@@ -205,13 +261,9 @@ class PolicyStep(LossStep):
     def loss_of(self, logps, ent, corrected):
         """(loss, metrics) of the variant and the KL term on log-probs [B, T], with the
         rollout correction's (weights, mask, metrics) or None."""
-        m, kw = self.module, dict(self.inputs)
+        m = self.module
         old = logps.detach() if self.old is None else self.old
-        mask, extra = self.mask, {}
-        if corrected is not None:
-            weights, mask, extra = corrected
-            if m.rollout_correction.applies_weights:
-                kw[m.weights_arg] = weights
+        kw, mask, extra = self._call_inputs(corrected)
         if m.variant.takes("ref_logp"):
             kw["ref_logp"] = self.ref
         if m.variant.takes("entropy") and ent is not None:
@@ -227,6 +279,17 @@ class PolicyStep(LossStep):
                 "actor/kl_coef": torch.tensor(m.kl_coef),
             }
         return loss, {**metrics, **extra}
+
+    def _call_inputs(self, corrected):
+        """(the variant's per-call keywords, the mask, the correction's metrics): with the rollout
+        correction's (weights, mask, metrics), its weights under the variant's argument and its
+        rejection in the mask."""
+        kw, mask, extra = dict(self.inputs), self.mask, {}
+        if corrected is not None:
+            weights, mask, extra = corrected
+            if self.module.rollout_correction.applies_weights:
+                kw[self.module.weights_arg] = weights
+        return kw, mask, extra
 
     def metrics(self, loss, logps, ent):
         out = {"loss": loss.detach(), **self.extra}
@@ -308,9 +371,7 @@ class FusedLinearPolicyLoss(FusedLoss):
         opts = rollout.options_of(options)
         if opts is None:
             return None
-        self.weights_arg = next(
-            (a for a in ("rollout_is_weights", "vllm_is_ratio") if self.variant.takes(a)), None
-        )
+        self.weights_arg = next((a for a in WEIGHTS if self.variant.takes(a)), None)
         if opts.applies_weights and self.weights_arg is None:
             raise ValueError(
                 f"rollout_correction: loss_mode={self.loss_mode!r} takes no IS weights (its "

@@ -87,13 +87,17 @@ class ChunkedLoss:
     entropy)` is the whole batch's value. `group` is G for `Locality.GROUP`. `scaled` (at
     `Locality.ROW`): a row's dL/dlogp and dL/dentropy are one number of the row times numbers of
     each token alone (GSPO, GMPO), so a row longer than a chunk can run as open-row pieces
-    (`plan_pieces`; checked at the row's end, `_common_scale`)."""
+    (`plan_pieces`; checked at the row's end, `_common_scale`). `token_part(idx, logp)` (a scaled
+    loss may give it): u_t of the tokens at flat positions idx in [B·T] with log-probs logp, from
+    each token's own numbers: an open row's earlier pieces take it in place of a `grad` call on
+    the row so far (one `grad` call a row, at its end, which checks every u_t)."""
 
     locality: Locality
     grad: Callable
     loss: Callable
     group: int = 1
     scaled: bool = False
+    token_part: Callable | None = None
 
 
 def chunk_bytes(max_chunk_bytes: int | None, device: torch.device) -> int:
@@ -286,11 +290,12 @@ class _Sweep:
     """One single pass's state: the logits buffer, the log-probs, the gradients, and, with open
     rows, the open row's dW and db.
 
-    A row longer than a chunk runs in pieces. Each piece but the last takes the provisional
-    dL/dlogp that `loss.grad` gives with the row's tokens so far live (the rest absent); where
-    the earlier tokens' provisional gradients are r times those stored for them
-    (`_common_scale`), the piece's, divided by r, go into the open row's dW and db and its dh
-    rows. At the last piece the row's true gradient is known: r once more, then dW += r·dW_open,
+    A row longer than a chunk runs in pieces. Each piece but the last takes the loss's
+    `token_part` u_t, or without one the provisional dL/dlogp that `loss.grad` gives with the
+    row's tokens so far live (the rest absent), which where the earlier tokens' provisional
+    gradients are r times those stored for them (`_common_scale`) is divided by r; that goes
+    into the open row's dW and db and its dh rows. At the last piece the row's true gradient is
+    known: r (true = r·stored on the earlier tokens, `_common_scale`), then dW += r·dW_open,
     db += r·db_open, the earlier dh rows times r (for GSPO and GMPO, c_i·u_t: the row's
     number times the token's own). Where no common r holds, the earlier pieces run again with
     the true gradient (the two-pass cost for that row, not a wrong gradient)."""
@@ -342,6 +347,14 @@ class _Sweep:
         u0, u1 = row
         if n0 == u0:
             self.pieces, self.stored, self.failed = [], [], False
+        if n1 < u1 and self.loss.token_part is not None:
+            # an earlier piece on the scale of its tokens' own u_t, checked at the row's end
+            with phases.phase("open_row_part"):
+                u = self.loss.token_part(self.positions[n0:n1], self.logp[n0:n1]).to(self.acc)
+            self.pieces.append((n0, n1))
+            self.backward(buf, n0, n1, lse, en, u, None, opened=n0 > u0)
+            self.stored.append((u, None))
+            return
         g, g_en = self.grads(u0, n1)  # the row so far live: at its last piece, its true gradient
         r = 1.0 if n0 == u0 or self.failed else _common_scale(g, g_en, self.stored, n0 - u0)
         g_p, g_en_p = g[n0 - u0 :], None if g_en is None else g_en[n0 - u0 :]
@@ -460,7 +473,9 @@ def _common_scale(g, g_en, stored, early: int) -> float | None:
     """r with (g, g_en) = r·(the stored provisional gradients) on the row's first `early` tokens,
     each to 128 ulps, or None."""
     y = g[:early] if g_en is None else torch.cat([g[:early], g_en[:early]])
-    x = torch.cat([s[0] for s in stored] + ([] if g_en is None else [s[1] for s in stored]))
+    # a piece stored without dL/dentropy (`token_part`) took none: 0
+    en = [] if g_en is None else [torch.zeros_like(s[0]) if s[1] is None else s[1] for s in stored]
+    x = torch.cat([s[0] for s in stored] + en)
     if x.numel() != y.numel():
         return None
     x, y = x.double(), y.double()
@@ -492,6 +507,14 @@ def _rescale(r: float, *grads):
 
 def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
     return None if t is None else t[rows]
+
+
+def uniform_part(idx: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """The `ChunkedLoss.token_part` of a loss whose row factor has the same gradient on each of
+    the row's tokens: GSPO's sequence ratio s_i = exp(Σ m·l / L_i) (each token's loss term, a
+    vLLM IS ratio ρ_t's included, is a function of s_i: ρ weighs c_i, not u_t), f-GRPO's and
+    FDO's sequence log-ratio. u_t = 1."""
+    return torch.ones_like(lp)
 
 
 def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) -> ChunkedLoss:
@@ -527,7 +550,8 @@ def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) 
         out = epilogue.grpo(lp, ent, old, ref, mask, advantages, ratio, sampling, norms, opts)
         return out[0]
 
-    return ChunkedLoss(Locality.ROW if per_row else Locality.TOKEN, grad, loss, scaled=scaled)
+    return ChunkedLoss(Locality.ROW if per_row else Locality.TOKEN, grad, loss, scaled=scaled,
+                       token_part=uniform_part if scaled else None)  # fmt: skip
 
 
 def fgrpo(ref, mask, advantages, rewards, old, ratio, opts: FGRPOOptions) -> ChunkedLoss:
@@ -570,7 +594,9 @@ def fgrpo(ref, mask, advantages, rewards, old, ratio, opts: FGRPOOptions) -> Chu
         return ChunkedLoss(Locality.GROUP, grad, loss, opts.num_generations)
     if opts.level == Level.TOKEN:
         return ChunkedLoss(Locality.TOKEN, grad, loss)
-    return ChunkedLoss(Locality.ROW, grad, loss, scaled=opts.entropy_coef == 0.0)
+    scaled = opts.entropy_coef == 0.0
+    return ChunkedLoss(Locality.ROW, grad, loss, scaled=scaled,
+                       token_part=uniform_part if scaled else None)  # fmt: skip
 
 
 def gift(ref, mask, rewards, opts: GIFTOptions) -> ChunkedLoss:
@@ -600,4 +626,4 @@ def fdo(ref, mask, chosen, opts: FDOOptions) -> ChunkedLoss:
     def loss(lp, ent):
         return epilogue.fdo(lp, ref, mask, chosen, opts)[0]
 
-    return ChunkedLoss(Locality.ROW, grad, loss, scaled=True)
+    return ChunkedLoss(Locality.ROW, grad, loss, scaled=True, token_part=uniform_part)
