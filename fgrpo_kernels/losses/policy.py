@@ -109,22 +109,20 @@ VERL_LOCALITY = {
     "dppo_kl": Locality.TOKEN,
     "kl_cov": Locality.BATCH,  # the top-k of the batch's token covariance
 }
-VERL_TOKEN_PARTS = {
+# the sequence-local variants' token parts (`Variant.token_part`)
+TOKEN_PARTS = {
+    "gmpo": policy_variants.gmpo_token_part,
+    "gspo_token": policy_variants.sequence_ratio_token_part,
     "gspo": policy_variants.sequence_ratio_token_part,
     "geo_mean": policy_variants_verl.geo_mean_token_part,
 }
 VARIANTS: dict[str, Variant] = {
-    "gmpo": Variant(
-        policy_variants.gmpo_loss, "trl", Locality.ROW, policy_variants.gmpo_token_part
-    ),  # fmt: skip
+    "gmpo": Variant(policy_variants.gmpo_loss, "trl", Locality.ROW, TOKEN_PARTS["gmpo"]),
     "gspo_token": Variant(
-        policy_variants.gspo_token_loss,
-        "trl",
-        Locality.ROW,
-        policy_variants.sequence_ratio_token_part,
-    ),  # fmt: skip
+        policy_variants.gspo_token_loss, "trl", Locality.ROW, TOKEN_PARTS["gspo_token"]
+    ),
     **{
-        name: Variant(fn, "verl", VERL_LOCALITY[name], VERL_TOKEN_PARTS.get(name))
+        name: Variant(fn, "verl", VERL_LOCALITY[name], TOKEN_PARTS.get(name))
         for name, fn in policy_variants_verl_pg.POLICY_LOSSES.items()
     },
     "m2po": Variant(policy_m2po.m2po_loss, "m2po", Locality.BATCH),  # τ from the whole batch
