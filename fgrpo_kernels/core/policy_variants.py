@@ -67,11 +67,21 @@ def sign_clip_passes(lr, sign, low: float, high: float) -> torch.Tensor:
 # the true gradient at the row's end (losses/single_pass.py).
 
 
+def _gmpo_high(epsilon, epsilon_high):
+    """GMPO's upper log-ratio bound: ε_high, or ε when None (TRL's GRPOConfig)."""
+    return epsilon if epsilon_high is None else epsilon_high
+
+
+def _trl_sign(a):
+    """TRL GMPO's clip side: +1 where a > 0, else −1."""
+    return torch.where(a > 0, 1.0, -1.0)
+
+
 def gmpo_token_part(lr, a, m, w, opts):
-    """GMPO's u_t = m_t where the sign-clipped log-ratio passes lr's gradient (sign +1 where
-    a > 0, else −1, as TRL), else 0; c_i = −a_i·S_i / (B·max(Σ m', 1)·steps)."""
-    high = opts.epsilon if opts.epsilon_high is None else opts.epsilon_high
-    return m * sign_clip_passes(lr, torch.where(a > 0, 1.0, -1.0), opts.epsilon, high)
+    """GMPO's u_t = m_t where the sign-clipped log-ratio passes lr's gradient, else 0;
+    c_i = −a_i·S_i / (B·max(Σ m', 1)·steps)."""
+    high = _gmpo_high(opts.epsilon, opts.epsilon_high)
+    return m * sign_clip_passes(lr, _trl_sign(a), opts.epsilon, high)
 
 
 def sequence_ratio_token_part(lr, a, m, w, opts):
@@ -164,7 +174,7 @@ def gmpo_loss(
         )
     if beta != 0.0 and ref_logp is None:
         raise ValueError("ref_logp: expected the reference log-probs [B, T] with beta != 0")
-    high = epsilon if epsilon_high is None else epsilon_high
+    high = _gmpo_high(epsilon, epsilon_high)
     dtype = compute_dtype(logp, old_logp, ref_logp, advantages)
     lp, old, ref, a = cast(dtype, logp, old_logp, ref_logp, advantages)
     old = lp.detach() if old is None else old
@@ -173,7 +183,7 @@ def gmpo_loss(
     seq_mask = m if keep is None else m * keep.to(dtype)
     lr = lp - old
     a_col = a.unsqueeze(1)
-    sign = torch.where(a_col > 0, 1.0, -1.0).to(dtype)
+    sign = _trl_sign(a_col).to(dtype)
     coef = torch.exp(row_mean(sign_clipped_log_ratio(lr, sign, epsilon, high), seq_mask))
     per_seq = -coef * a
     metrics = {}

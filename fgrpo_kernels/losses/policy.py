@@ -202,13 +202,14 @@ class PolicyStep(LossStep):
         w = next((kw[k] for k in WEIGHTS if kw.get(k) is not None), None)
         w = None if w is None else _per_token_flat(w, *shape)
         a, m = _per_token_flat(self.adv, *shape), mask.reshape(-1)
+        old = None if old is None else old.reshape(-1)
         opts = self.module.variant.resolved(self.module.options)
 
         def part(idx, lp):
             dtype = policy_variants.compute_dtype(lp, old, a, w)
             lp = lp.to(dtype)
             # no old log-probs: they are the current ones, every log-ratio 0
-            lr = torch.zeros_like(lp) if old is None else lp - old.reshape(-1)[idx].to(dtype)
+            lr = torch.zeros_like(lp) if old is None else lp - old[idx].to(dtype)
             ww = None if w is None else w[idx].to(dtype)
             return fn(lr, a[idx].to(dtype), m[idx].to(dtype), ww, opts)
 

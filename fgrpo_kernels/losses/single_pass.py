@@ -87,10 +87,10 @@ class ChunkedLoss:
     entropy)` is the whole batch's value. `group` is G for `Locality.GROUP`. `scaled` (at
     `Locality.ROW`): a row's dL/dlogp and dL/dentropy are one number of the row times numbers of
     each token alone (GSPO, GMPO), so a row longer than a chunk can run as open-row pieces
-    (`plan_pieces`; checked at the row's end, `_common_scale`). `token_part(idx, logp)` (a scaled
-    loss may give it): u_t of the tokens at flat positions idx in [B·T] with log-probs logp, from
-    each token's own numbers: an open row's earlier pieces take it in place of a `grad` call on
-    the row so far (one `grad` call a row, at its end, which checks every u_t)."""
+    (`plan_pieces`; checked at the row's end, `_common_scale`). `token_part(idx, logp)` (read
+    only where `scaled` holds): u_t of the tokens at flat positions idx in [B·T] with log-probs
+    logp, from each token's own numbers: an open row's earlier pieces take it in place of a
+    `grad` call on the row so far (one `grad` call a row, at its end, which checks every u_t)."""
 
     locality: Locality
     grad: Callable
@@ -551,7 +551,7 @@ def grpo(old, ref, mask, advantages, ratio, sampling, norms, opts: GRPOOptions) 
         return out[0]
 
     return ChunkedLoss(Locality.ROW if per_row else Locality.TOKEN, grad, loss, scaled=scaled,
-                       token_part=uniform_part if scaled else None)  # fmt: skip
+                       token_part=uniform_part)  # fmt: skip
 
 
 def fgrpo(ref, mask, advantages, rewards, old, ratio, opts: FGRPOOptions) -> ChunkedLoss:
@@ -594,9 +594,8 @@ def fgrpo(ref, mask, advantages, rewards, old, ratio, opts: FGRPOOptions) -> Chu
         return ChunkedLoss(Locality.GROUP, grad, loss, opts.num_generations)
     if opts.level == Level.TOKEN:
         return ChunkedLoss(Locality.TOKEN, grad, loss)
-    scaled = opts.entropy_coef == 0.0
-    return ChunkedLoss(Locality.ROW, grad, loss, scaled=scaled,
-                       token_part=uniform_part if scaled else None)  # fmt: skip
+    return ChunkedLoss(Locality.ROW, grad, loss, scaled=opts.entropy_coef == 0.0,
+                       token_part=uniform_part)  # fmt: skip
 
 
 def gift(ref, mask, rewards, opts: GIFTOptions) -> ChunkedLoss:
