@@ -10,7 +10,8 @@ by turns in one process (a drifting machine load hits every row alike), medians 
   fp32 [V, H] dW (chunks of 127 rows): what the smaller chunks cost alone;
 - `MODE`: the variant with open rows, and `MODE@on-policy` (no old log-probs: token-local
   chunks), each with the phase recorder's epilogue calls and milliseconds and the open rows'
-  folds.
+  folds (their dW and db now join within the last piece's backward: `fold_ms` is the dh
+  rows' scaling alone).
 
 Prints one JSON line per row, time as a ratio to `grpo` of the same turn.
 """

@@ -10,7 +10,8 @@
 //     an exp; u = log e + m_t − lse only for an entropy gradient), dz in place by the rule of
 //     logprob_bwd.cpp, dh = dz W, dW (+)= dz^T h, db (+)= Σ_n dz. One task per lane, a fixed
 //     run of SWEEP_V-wide vocab sweeps: each sweep's dz tile is formed and fed to both products
-//     while in cache; the lanes' dh partials add up in lane order.
+//     while in cache; the lanes' dh partials add up in lane order. An open row's dW and db
+//     (fold_w, fold_b) join dW, db in the same sweeps, each block while it is in cache.
 // Buffer rows: V entries, then cdiv(V, BLOCK_V) tile references (`buffer_cols`). Three
 // GEMM-sized passes over the chunk (z, dh, dW) where the two-pass path takes four (it
 // recomputes z). Every output element has one owner and a fixed summation order: bitwise the
@@ -61,6 +62,27 @@ void dlogits_from_exp(float* er, int64_t cols, int64_t local, float m_t, float l
   if (local >= 0) {
     const float u_lin = std::max(u_y, EXP_ZERO_BELOW);
     er[local] = -k.gy * std::expm1(u_y) + std::exp(u_y) * (k.a + k.gy + k.c * u_lin);
+  }
+}
+
+// dst = (accumulate ? dst : 0) + alpha·src over n entries (src null: dst kept, or zeroed
+// without `accumulate`): an open row's dW or db folded in (docs/math.md §5).
+void fold_block(float* dst, const float* src, int64_t n, float alpha, bool accumulate) {
+  if (src == nullptr) {
+    if (!accumulate) std::memset(dst, 0, sizeof(float) * n);
+    return;
+  }
+  constexpr int64_t W = Vec::size();
+  const int64_t vec_end = n - n % W;
+  const Vec va(alpha);
+  if (accumulate) {
+    for (int64_t j = 0; j < vec_end; j += W) {
+      at::vec::fmadd(va, Vec::loadu(src + j), Vec::loadu(dst + j)).store(dst + j);
+    }
+    for (int64_t j = vec_end; j < n; ++j) dst[j] += alpha * src[j];
+  } else {
+    for (int64_t j = 0; j < vec_end; j += W) (va * Vec::loadu(src + j)).store(dst + j);
+    for (int64_t j = vec_end; j < n; ++j) dst[j] = alpha * src[j];
   }
 }
 
@@ -130,14 +152,18 @@ void logits_bwd_cpu(const Tensor& logits, const Tensor& hidden_in, const Tensor&
                     const std::optional<Tensor>& grad_entropy, double temperature,
                     int64_t ignore_index, const std::optional<Tensor>& dh,
                     const std::optional<Tensor>& dw, const std::optional<Tensor>& db,
-                    bool accumulate) {
+                    bool accumulate, const std::optional<Tensor>& fold_w,
+                    const std::optional<Tensor>& fold_b, double fold_alpha) {
   const bool need_h = dh.has_value(), need_w = dw.has_value(), need_b = db.has_value();
   const Inputs in(hidden_in, weight_in, targets_in, std::nullopt, temperature);
   const Tensor& weight = in.weight;
   const int64_t M = in.N, H = in.H, V = in.V;
+  const float* fws = fold_w.has_value() ? fold_w->const_data_ptr<float>() : nullptr;
+  const float* fbs = fold_b.has_value() ? fold_b->const_data_ptr<float>() : nullptr;
+  const float alpha = static_cast<float>(fold_alpha);
   if (M == 0) {
-    if (need_w && !accumulate) dw->zero_();
-    if (need_b && !accumulate) db->zero_();
+    if (need_w) fold_block(dw->data_ptr<float>(), fws, V * H, alpha, accumulate);
+    if (need_b) fold_block(db->data_ptr<float>(), fbs, V, alpha, accumulate);
     return;
   }
   const int64_t* y = in.y;
@@ -182,10 +208,16 @@ void logits_bwd_cpu(const Tensor& logits, const Tensor& hidden_in, const Tensor&
         const float* w = rows_f32(weight, s0, cols, w_scratch);
         gemm_nn(M, H, cols, 1.f, z, LD, w, H, s == s_begin ? 0.f : 1.f, dh_part, H);
       }
-      if (need_w) gemm_tn(cols, H, M, 1.f, z, LD, h, H, accumulate ? 1.f : 0.f, dws + s0 * H, H);
+      if (need_w) {
+        // the fold's block of dW, then the chunk's terms on it while it is in cache
+        float* dwb = dws + s0 * H;
+        if (fws != nullptr) fold_block(dwb, fws + s0 * H, cols * H, alpha, accumulate);
+        const float beta = accumulate || fws != nullptr ? 1.f : 0.f;
+        gemm_tn(cols, H, M, 1.f, z, LD, h, H, beta, dwb, H);
+      }
       if (need_b) {
         float* acc = dbs + s0;
-        if (!accumulate) std::memset(acc, 0, sizeof(float) * cols);
+        fold_block(acc, fbs == nullptr ? nullptr : fbs + s0, cols, alpha, accumulate);
         for (int64_t r = 0; r < M; ++r) {
           const float* dzr = z + r * LD;
           for (int64_t j = 0; j < cols; ++j) acc[j] += dzr[j];

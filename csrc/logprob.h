@@ -245,7 +245,9 @@ std::tuple<Tensor, Tensor, Tensor> logprob_bwd_cpu(
 
 // Single pass (logits_chunk.cpp): logits_fwd leaves the chunk's exponentiated logits in
 // `logits` [M, buffer_cols(V)] fp32; logits_bwd turns them into dz in place and writes dh
-// [M, H] (fp32), and adds to (or, without `accumulate`, writes) dw [V, H] and db [V] (fp32).
+// [M, H] (fp32), and adds to (or, without `accumulate`, writes) dw [V, H] and db [V] (fp32);
+// `fold_w`, `fold_b` (an open row's dW and db, docs/math.md §5) add fold_alpha times
+// themselves to dw, db in the same vocab sweeps, while each block of dw is in cache.
 inline int64_t buffer_cols(int64_t V) { return V + cdiv(V, BLOCK_V); }
 
 std::tuple<Tensor, Tensor, Tensor> logits_fwd_cpu(
@@ -259,6 +261,7 @@ void logits_bwd_cpu(const Tensor& logits, const Tensor& hidden, const Tensor& we
                     const std::optional<Tensor>& grad_entropy, double temperature,
                     int64_t ignore_index, const std::optional<Tensor>& dh,
                     const std::optional<Tensor>& dw, const std::optional<Tensor>& db,
-                    bool accumulate);
+                    bool accumulate, const std::optional<Tensor>& fold_w = std::nullopt,
+                    const std::optional<Tensor>& fold_b = std::nullopt, double fold_alpha = 1.0);
 
 }  // namespace fgrpo

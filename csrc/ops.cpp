@@ -121,7 +121,8 @@ void chunk_bwd(const Tensor& logits, const Tensor& hidden, const Tensor& weight,
                const std::optional<Tensor>& grad_entropy, double temperature,
                int64_t ignore_index, const std::optional<Tensor>& dh,
                const std::optional<Tensor>& dw, const std::optional<Tensor>& db,
-               bool accumulate) {
+               bool accumulate, const std::optional<Tensor>& fold_w,
+               const std::optional<Tensor>& fold_b, double fold_alpha) {
   check_inputs(hidden, weight, targets, bias, temperature, ignore_index, 0, -1);
   const int64_t N = hidden.size(0), H = hidden.size(1), V = weight.size(0);
   check_f32("logits", logits, {N, buffer_cols(V)});
@@ -133,8 +134,13 @@ void chunk_bwd(const Tensor& logits, const Tensor& hidden, const Tensor& weight,
   if (dh.has_value()) check_f32("dh", *dh, {N, H});
   if (dw.has_value()) check_f32("dw", *dw, {V, H});
   if (db.has_value()) check_f32("db", *db, {V});
+  TORCH_CHECK_VALUE(!fold_w.has_value() || dw.has_value(), "fold_w: given without dw");
+  TORCH_CHECK_VALUE(!fold_b.has_value() || db.has_value(), "fold_b: given without db");
+  if (fold_w.has_value()) check_f32("fold_w", *fold_w, {V, H});
+  if (fold_b.has_value()) check_f32("fold_b", *fold_b, {V});
   logits_bwd_cpu(logits, hidden, weight, targets, lse, entropy, grad_logp, grad_entropy,
-                 temperature, ignore_index, dh, dw, db, accumulate);
+                 temperature, ignore_index, dh, dw, db, accumulate, fold_w, fold_b,
+                 fold_alpha);
 }
 
 }  // namespace
@@ -157,7 +163,8 @@ TORCH_LIBRARY(fgrpo, m) {
   m.def(
       "logits_bwd(Tensor(a!) logits, Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, "
       "Tensor lse, Tensor? entropy, Tensor? grad_logp, Tensor? grad_entropy, float temperature, "
-      "int ignore_index, Tensor(b!)? dh, Tensor(c!)? dw, Tensor(d!)? db, bool accumulate) -> ()");
+      "int ignore_index, Tensor(b!)? dh, Tensor(c!)? dw, Tensor(d!)? db, bool accumulate, "
+      "Tensor? fold_w=None, Tensor? fold_b=None, float fold_alpha=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fgrpo, CPU, m) {

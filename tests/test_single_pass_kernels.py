@@ -132,6 +132,37 @@ def test_frozen_inputs(name, needs):
     compare(name, torch.float32, 5, 11, 7, 90, True, 1.0, 0.1, 4, False, needs)
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("M", [0, 6])
+def test_fold_adds_an_open_rows_dw_and_db(name, accumulate, M):
+    """`fold` (an open row's dW, db and r at its last piece): dw, db take the chunk's terms and
+    r times the open row's, overwritten or added to as `accumulate` says, in every backend
+    (the C++ one in its vocab sweeps: V of three sweeps and a part)."""
+    mod = backend_module(name)
+    h, w, b, y, g, _, opts = inputs(M + 3, M, 7, 1700, torch.float32, True, 0.8, 0.2)
+    V, H = w.shape
+    gen = torch.Generator().manual_seed(11)
+    src_w, src_b = torch.randn(V, H, generator=gen), torch.randn(V, generator=gen)
+    start_w, start_b = torch.randn(V, H, generator=gen), torch.randn(V, generator=gen)
+    r = -0.37
+
+    def bwd(fold):
+        buf = mod.logits_buffer(max(M, 1), V, h)[:M]
+        _, lse, _ = mod.logits_fwd(h, w, y, b, opts, False, buf)
+        dh, dw, db = torch.empty(M, H), start_w.clone(), start_b.clone()
+        mod.logits_bwd(buf, h, w, y, b, lse, None, g.float(), None, opts, dh, dw, db, accumulate,
+                       fold=fold)  # fmt: skip
+        return dh, dw, db
+
+    plain, folded = bwd(None), bwd((src_w, src_b, r))
+    assert torch.equal(plain[0], folded[0])
+    pairs = (("dw", plain[1], folded[1], src_w), ("db", plain[2], folded[2], src_b))
+    for label, p, f, src in pairs:
+        want = p.double() + r * src.double()
+        assert rel_error(f, want, 0.1 * want.numel() ** 0.5) <= 1e-6, label
+
+
 def _cpp_outputs(threads):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -162,6 +193,12 @@ def test_cpp_ops_check_their_buffers():
     with pytest.raises(ValueError, match="^dw: expected shape"):
         torch.ops.fgrpo.logits_bwd(good, h, w, y, b, lse, None, g.float(), None, 1.0, -100, None,
                                    torch.empty(3, 20), None, False)  # fmt: skip
+    with pytest.raises(ValueError, match="^fold_w: given without dw"):
+        torch.ops.fgrpo.logits_bwd(good, h, w, y, b, lse, None, g.float(), None, 1.0, -100, None,
+                                   None, None, False, torch.zeros(20, 3))  # fmt: skip
+    with pytest.raises(ValueError, match="^fold_w: expected shape"):
+        torch.ops.fgrpo.logits_bwd(good, h, w, y, b, lse, None, g.float(), None, 1.0, -100, None,
+                                   torch.zeros(20, 3), None, False, torch.zeros(3, 20))  # fmt: skip
     with pytest.raises(ValueError, match="^targets: expected ids"):
         torch.ops.fgrpo.logits_fwd(h, w, y + 20, b, 1.0, -100, False, good)
 

@@ -296,7 +296,8 @@ class _Sweep:
     gradients are r times those stored for them (`_common_scale`) is divided by r; that goes
     into the open row's dW and db and its dh rows. At the last piece the row's true gradient is
     known: r (true = r·stored on the earlier tokens, `_common_scale`), then dW += r·dW_open,
-    db += r·db_open, the earlier dh rows times r (for GSPO and GMPO, c_i·u_t: the row's
+    db += r·db_open (within that piece's backward, block by block) and the earlier dh rows times
+    r (for GSPO and GMPO, c_i·u_t: the row's
     number times the token's own). Where no common r holds, the earlier pieces run again with
     the true gradient (the two-pass cost for that row, not a wrong gradient)."""
 
@@ -359,8 +360,11 @@ class _Sweep:
         r = 1.0 if n0 == u0 or self.failed else _common_scale(g, g_en, self.stored, n0 - u0)
         g_p, g_en_p = g[n0 - u0 :], None if g_en is None else g_en[n0 - u0 :]
         if n1 == u1:
-            self.backward(buf, n0, n1, lse, en, g_p, g_en_p)
-            self.close(u0, n0, None if self.failed else r, g, g_en)
+            r = None if self.failed else r
+            # with a common scale the open row's dW and db join dW and db in this backward
+            fold = None if r is None else (self.dw_open, self.db_open, r)
+            self.backward(buf, n0, n1, lse, en, g_p, g_en_p, fold=fold)
+            self.close(u0, n0, r, g, g_en)
             return
         self.pieces.append((n0, n1))
         # this piece's gradient on the scale of the open row's dW
@@ -399,9 +403,11 @@ class _Sweep:
         g_en = None if d_en is None else d_en.reshape(-1).index_select(0, local).to(self.acc)
         return g, g_en
 
-    def backward(self, buf, n0, n1, lse, en, g, g_en, opened=None):
+    def backward(self, buf, n0, n1, lse, en, g, g_en, opened=None, fold=None):
         """The chunk's dh rows and its dW, db terms: into dw, db, or with `opened` (True: the
-        open row has earlier pieces) into the open row's."""
+        open row has earlier pieces) into the open row's; `fold` (the open row's dW, db and r,
+        at its last piece): dw, db also take r times those, in the backend's same sweeps over
+        the vocabulary (`backends.fold_into`)."""
         d_h = None if self.dh is None else self.dh[n0:n1] if self.dh_acc is None else (
             self.dh_acc[: n1 - n0])  # fmt: skip
         if opened is None:
@@ -410,14 +416,14 @@ class _Sweep:
         else:
             dw, db, accumulate = self.dw_open, self.db_open, opened
         self.backend.logits_bwd(buf, self.h[n0:n1], self.w, self.y[n0:n1], self.b, lse, en, g,
-                                g_en, self.opts, d_h, dw, db, accumulate)  # fmt: skip
+                                g_en, self.opts, d_h, dw, db, accumulate, fold=fold)  # fmt: skip
         if self.dh_acc is not None:
             self.dh[n0:n1] = d_h
 
     def close(self, u0, n0, r, g, g_en):
-        """The end of the row [u0, ·) whose earlier pieces are [u0, n0): the open row's dW times
-        `r` into dW, or (r None) those pieces run again with `g`, `g_en`, the row's true
-        gradients from u0 on."""
+        """The end of the row [u0, ·) whose earlier pieces are [u0, n0): their dh rows times `r`
+        (the last piece's backward took the open row's dW and db times r), or (r None) those
+        pieces run again with `g`, `g_en`, the row's true gradients from u0 on."""
         if r is None:
             with phases.phase("open_row_rerun"):
                 for p0, p1 in self.pieces:
@@ -426,9 +432,6 @@ class _Sweep:
                     self.backward(buf, p0, p1, lse, en, g[p0 - u0 : p1 - u0], ge)
         else:
             with phases.phase("open_row_fold"):
-                for acc, part in ((self.dw, self.dw_open), (self.db, self.db_open)):
-                    if acc is not None:
-                        acc.add_(part, alpha=r)
                 if self.dh is not None:
                     self.dh[u0:n0] *= r
         self.pieces, self.stored, self.failed = [], [], False

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ...core.options import LogProbOptions
-from .. import distributed
+from .. import distributed, fold_into
 
 TOKEN_CHUNK = 1024
 VOCAB_CHUNK = 4096
@@ -206,10 +206,12 @@ def logits_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entro
 
 
 def logits_bwd(logits, hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
-               opts: LogProbOptions, dh, dw, db, accumulate: bool):  # fmt: skip
+               opts: LogProbOptions, dh, dw, db, accumulate: bool, fold=None):  # fmt: skip
     """The rest of the chunk: `logits` (left by `logits_fwd`) → dlogits of Σ g·logp + Σ g_H·H in
     place; dh [M, H] = dz W, dw [V, H] (+)= dz^T h, db [V] (+)= Σ_n dz (acc dtype; None: not
-    wanted; `accumulate` False overwrites dw and db)."""
+    wanted; `accumulate` False overwrites dw and db). `fold` (dw_src, db_src, alpha): dw and db
+    also take alpha·dw_src, alpha·db_src (an open row's, docs/math.md §5; `fold_into`)."""
+    accumulate = fold_into(dw, db, fold, accumulate)
     V = weight.shape[0]
     inv_t = 1.0 / opts.temperature
     acc = logits.dtype

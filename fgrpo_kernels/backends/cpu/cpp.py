@@ -215,7 +215,8 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("fgrpo::logits_bwd")
     def _(logits, hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
-          temperature, ignore_index, dh, dw, db, accumulate):  # fmt: skip
+          temperature, ignore_index, dh, dw, db, accumulate, fold_w=None, fold_b=None,
+          fold_alpha=1.0):  # fmt: skip
         return None
 
 
@@ -340,15 +341,18 @@ def logits_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entro
 
 
 def logits_bwd(logits, hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
-               opts: LogProbOptions, dh, dw, db, accumulate: bool):  # fmt: skip
+               opts: LogProbOptions, dh, dw, db, accumulate: bool, fold=None):  # fmt: skip
     """`logits` → dlogits in place; dh [M, H] = dz W, dw [V, H] (+)= dz^T h, db [V] (+)= Σ dz
-    (fp32; None: not wanted)."""
+    (fp32; None: not wanted); `fold` (dw_src, db_src, alpha): dw, db also take alpha times
+    these, in the same vocab sweeps (`backends.fold_into`)."""
     if _wide(hidden, weight):
         return chunked.logits_bwd(
             logits, hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy, opts,
-            dh, dw, db, accumulate,
+            dh, dw, db, accumulate, fold,
         )  # fmt: skip
+    fold_w, fold_b, alpha = (None, None, 1.0) if fold is None else fold
     torch.ops.fgrpo.logits_bwd(
         logits, hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
         opts.temperature, opts.ignore_index, dh, dw, db, accumulate,
+        None if dw is None else fold_w, None if db is None else fold_b, float(alpha),
     )  # fmt: skip

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ...core.options import LogProbOptions
+from .. import fold_into
 from ..phases import phase
 from . import configs
 from .gemm import fp32_precision, gemm, has_out_dtype_mm
@@ -174,9 +175,11 @@ def logits_fwd(hidden, weight, targets, bias, opts: LogProbOptions, return_entro
 
 
 def logits_bwd(logits, hidden, weight, targets, bias, lse, entropy, grad_logp, grad_entropy,
-               opts: LogProbOptions, dh, dw, db, accumulate: bool):  # fmt: skip
+               opts: LogProbOptions, dh, dw, db, accumulate: bool, fold=None):  # fmt: skip
     """`logits` (left by `logits_fwd`) → dlogits; dh [M, H] = dz W, dw [V, H] (+)= dz^T h,
-    db [V] (+)= Σ_n dz, all fp32 (None: not wanted; `accumulate` False overwrites dw and db)."""
+    db [V] (+)= Σ_n dz, all fp32 (None: not wanted; `accumulate` False overwrites dw and db);
+    `fold` (dw_src, db_src, alpha): dw, db also take alpha times these (`backends.fold_into`)."""
+    accumulate = fold_into(dw, db, fold, accumulate)
     M, V = hidden.shape[0], weight.shape[0]
     dev = hidden.device
     if M == 0:
