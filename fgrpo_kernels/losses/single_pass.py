@@ -297,9 +297,9 @@ class _Sweep:
     into the open row's dW and db and its dh rows. At the last piece the row's true gradient is
     known: r (true = r·stored on the earlier tokens, `_common_scale`), then dW += r·dW_open,
     db += r·db_open (within that piece's backward, block by block) and the earlier dh rows times
-    r (for GSPO and GMPO, c_i·u_t: the row's
-    number times the token's own). Where no common r holds, the earlier pieces run again with
-    the true gradient (the two-pass cost for that row, not a wrong gradient)."""
+    r (for GSPO and GMPO, c_i·u_t: the row's number times the token's own). Where no common r
+    holds, the earlier pieces run again with the true gradient (the two-pass cost for that row,
+    not a wrong gradient)."""
 
     def __init__(self, backend, max_rows, h, w, b, targets, lp_opts, needs, entropy, positions,
                  mask, loss, open_rows):  # fmt: skip
@@ -357,10 +357,11 @@ class _Sweep:
             self.stored.append((u, None))
             return
         g, g_en = self.grads(u0, n1)  # the row so far live: at its last piece, its true gradient
-        r = 1.0 if n0 == u0 or self.failed else _common_scale(g, g_en, self.stored, n0 - u0)
+        # r None: no common scale (now or at an earlier piece)
+        r = None if self.failed else 1.0 if n0 == u0 else _common_scale(
+            g, g_en, self.stored, n0 - u0)  # fmt: skip
         g_p, g_en_p = g[n0 - u0 :], None if g_en is None else g_en[n0 - u0 :]
         if n1 == u1:
-            r = None if self.failed else r
             # with a common scale the open row's dW and db join dW and db in this backward
             fold = None if r is None else (self.dw_open, self.db_open, r)
             self.backward(buf, n0, n1, lse, en, g_p, g_en_p, fold=fold)
@@ -368,7 +369,7 @@ class _Sweep:
             return
         self.pieces.append((n0, n1))
         # this piece's gradient on the scale of the open row's dW
-        scaled = None if self.failed or r is None else _rescale(r, g_p, g_en_p)
+        scaled = None if r is None else _rescale(r, g_p, g_en_p)
         if scaled is None:
             self.failed = True  # no common scale: the earlier pieces run again at the row's end
             return
