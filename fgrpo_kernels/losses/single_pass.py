@@ -356,8 +356,11 @@ class _Sweep:
             self.backward(buf, n0, n1, lse, en, u, None, opened=n0 > u0)
             self.stored.append((u, None))
             return
+        if self.failed and n1 < u1:
+            self.pieces.append((n0, n1))  # no common scale: runs again at the row's end
+            return
         g, g_en = self.grads(u0, n1)  # the row so far live: at its last piece, its true gradient
-        # r None: no common scale (now or at an earlier piece)
+        # r None: no common scale (now or, at the last piece, at an earlier one)
         r = None if self.failed else 1.0 if n0 == u0 else _common_scale(
             g, g_en, self.stored, n0 - u0)  # fmt: skip
         g_p, g_en_p = g[n0 - u0 :], None if g_en is None else g_en[n0 - u0 :]
